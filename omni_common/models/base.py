@@ -1,0 +1,107 @@
+"""The contract between a stage's worker and a model family's runners.
+
+A model family is one file per stage (encode, denoise, decode) plus a fixture builder,
+registered by name in `omni_common.models.registry`. Workers only see these protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One image request, already validated (sizes, ranges, finiteness)."""
+
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 1024
+    height: int = 1024
+    num_inference_steps: int = 50
+    true_cfg_scale: float = 4.0
+    seed: int = 0
+    max_sequence_length: int = 512
+
+    @property
+    def do_true_cfg(self) -> bool:
+        """diffusers' rule: CFG needs a scale above 1 and a negative prompt."""
+        return self.true_cfg_scale > 1 and self.negative_prompt != ""
+
+
+@dataclass
+class StageState:
+    """What one stage hands the next: named CPU or device tensors plus string metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class DenoiseState:
+    """Per-request state of a step-wise denoiser; families subclass it with their fields."""
+
+    request: GenerationRequest
+    step_index: int
+    total_steps: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EncoderRunner(Protocol):
+    """Prompt text -> conditioning tensors."""
+
+    def encode(self, requests: Sequence[GenerationRequest]) -> list[StageState]:
+        """One StageState per request (positive and, with CFG, negative embeddings)."""
+        ...
+
+
+class DenoiserRunner(Protocol):
+    """Step-wise denoising, so a scheduler can interleave requests between steps."""
+
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> DenoiseState:
+        """Initial noise, timesteps and a fresh scheduler for one request."""
+        ...
+
+    def batch_key(self, state: DenoiseState) -> Hashable:
+        """States with equal keys may share one transformer forward."""
+        ...
+
+    def step(self, states: Sequence[DenoiseState]) -> None:
+        """Advance every state by one step, in place."""
+        ...
+
+    def is_done(self, state: DenoiseState) -> bool: ...
+
+    def finish(self, state: DenoiseState) -> StageState:
+        """The final latents (and their size metadata) for the decoder."""
+        ...
+
+
+class DecoderRunner(Protocol):
+    """Latents -> images."""
+
+    def decode(self, states: Sequence[StageState]) -> list[torch.Tensor]:
+        """One float32 [3, H, W] image in [0, 1] per state (diffusers' output_type="pt")."""
+        ...
+
+
+class ModelFamily(Protocol):
+    """A family of models served by omnistage, e.g. "qwenimage"."""
+
+    name: str
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise omni_common.errors.InvalidArgument for requests the family cannot serve."""
+        ...
+
+    def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> EncoderRunner: ...
+
+    def load_denoiser(
+        self, model_dir: Path, device: torch.device, dtype: torch.dtype
+    ) -> DenoiserRunner: ...
+
+    def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> DecoderRunner: ...

@@ -1,0 +1,1 @@
+"""Process-level infrastructure shared by every service: gRPC setup, config, logging."""

@@ -1,0 +1,140 @@
+from omnistage.v1 import stage_pb2 as _stage_pb2
+from omnistage.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("params", "request_id", "return_tensor", "progress_every")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
+    params: _stage_pb2.GenerationParams
+    request_id: str
+    return_tensor: bool
+    progress_every: int
+    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class StageStarted(_message.Message):
+    __slots__ = ("stage", "replica")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    replica: str
+    def __init__(self, stage: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class StageFinished(_message.Message):
+    __slots__ = ("stage", "wall_ms", "compute_ms")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    WALL_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    wall_ms: float
+    compute_ms: float
+    def __init__(self, stage: _Optional[str] = ..., wall_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class DenoiseStep(_message.Message):
+    __slots__ = ("step", "total")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class RawChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Result(_message.Message):
+    __slots__ = ("png", "width", "height", "tensor", "total_ms")
+    PNG_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    png: bytes
+    width: int
+    height: int
+    tensor: _tensor_pb2.TensorRef
+    total_ms: float
+    def __init__(self, png: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RAW_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    accepted: Accepted
+    stage_started: StageStarted
+    stage_finished: StageFinished
+    step: DenoiseStep
+    raw_chunk: RawChunk
+    result: Result
+    error: Error
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "family", "replicas")
+    class ReplicasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    family: str
+    replicas: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,93 @@
+from omnistage.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerationParams(_message.Message):
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    true_cfg_scale: float
+    seed: int
+    max_sequence_length: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+
+class StageRequest(_message.Message):
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    params: GenerationParams
+    input: _tensor_pb2.StageState
+    consumer_host_id: str
+    progress_every: int
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ...) -> None: ...
+
+class StepProgress(_message.Message):
+    __slots__ = ("step", "total", "step_ms")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    step_ms: float
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class StageEvent(_message.Message):
+    __slots__ = ("step", "result")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    step: StepProgress
+    result: StageResult
+    def __init__(self, step: _Optional[_Union[StepProgress, _Mapping]] = ..., result: _Optional[_Union[StageResult, _Mapping]] = ...) -> None: ...
+
+class StageResult(_message.Message):
+    __slots__ = ("output", "compute_ms")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    output: _tensor_pb2.StageState
+    compute_ms: float
+    def __init__(self, output: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class StageInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    model: str
+    family: str
+    host_id: str
+    device: str
+    dtype: str
+    address: str
+    queue_depth: int
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ...) -> None: ...
