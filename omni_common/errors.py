@@ -46,3 +46,45 @@ class Aborted(OmniError):
 
 class Unimplemented(OmniError):
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class DeadlineExceeded(OmniError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(OmniError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class AlreadyExists(OmniError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+_BY_CODE: dict[grpc.StatusCode, type[OmniError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        PermissionDenied,
+        ResourceExhausted,
+        Unavailable,
+        Aborted,
+        Unimplemented,
+        DeadlineExceeded,
+        Cancelled,
+        AlreadyExists,
+    )
+}
+
+
+def error_for_status(code: grpc.StatusCode, message: str) -> OmniError:
+    """The typed error for a gRPC status (OmniError itself for codes without a subclass)."""
+    cls = _BY_CODE.get(code)
+    return cls(message) if cls is not None else OmniError(message, code)
+
+
+def error_from_rpc(err: grpc.RpcError) -> OmniError:
+    """Turn a failed call (sync or asyncio) into the typed error of its status."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    return error_for_status(code, details or code.name)

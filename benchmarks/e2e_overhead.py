@@ -1,0 +1,112 @@
+"""What the split costs: p50/p95 latency of the cluster (real processes on loopback) next to
+diffusers' QwenImagePipeline in one process, same fixture, seed and steps, in one run.
+
+    python benchmarks/e2e_overhead.py [--sizes 256 512] [--steps 20] [--runs 10]
+
+Prints one JSON line per (size, side) and one with the ratio and the added milliseconds.
+Both sides return a PIL image to the caller; they run one after the other, never at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from diffusers import QwenImagePipeline
+
+from omni_common.client import Client
+from omni_common.cluster import LocalCluster, loopback_plan
+from omni_common.models.qwenimage.fixture import build_tiny_fixture
+
+PROMPT = "a watercolor lighthouse at dusk"
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"p50_ms": round(statistics.median(ordered), 2), "p95_ms": round(p95, 2)}
+
+
+def measure(call: Callable[[int], object], runs: int, warmup: int) -> list[float]:
+    for i in range(warmup):
+        call(i)
+    times = []
+    for i in range(runs):
+        started = time.perf_counter()
+        call(i)
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_fixture(Path(tmp) / "qwen-image-tiny")
+        pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        plan = loopback_plan(model)
+        with LocalCluster(plan, log_dir=Path(tmp) / "logs"), Client(plan[-1].health_address) as client:
+            for size in args.sizes:
+
+                def in_process(seed: int, size: int = size) -> object:
+                    return pipe(
+                        PROMPT,
+                        width=size,
+                        height=size,
+                        num_inference_steps=args.steps,
+                        generator=torch.Generator().manual_seed(seed),
+                    ).images[0]
+
+                def cluster(seed: int, size: int = size) -> object:
+                    return client.generate(PROMPT, width=size, height=size, steps=args.steps, seed=seed)
+
+                rows = {}
+                for side, call in (("diffusers", in_process), ("cluster", cluster)):
+                    stats = percentiles(measure(call, args.runs, args.warmup))
+                    rows[side] = stats
+                    print(
+                        json.dumps(
+                            {
+                                "bench": "e2e_overhead",
+                                "size": size,
+                                "steps": args.steps,
+                                "side": side,
+                                "runs": args.runs,
+                                **stats,
+                            }
+                        ),
+                        flush=True,
+                    )
+                print(
+                    json.dumps(
+                        {
+                            "bench": "e2e_overhead",
+                            "size": size,
+                            "steps": args.steps,
+                            "ratio_p50": round(rows["cluster"]["p50_ms"] / rows["diffusers"]["p50_ms"], 4),
+                            "added_p50_ms": round(rows["cluster"]["p50_ms"] - rows["diffusers"]["p50_ms"], 2),
+                            "added_p95_ms": round(rows["cluster"]["p95_ms"] - rows["diffusers"]["p95_ms"], 2),
+                            "threads": torch.get_num_threads(),
+                        }
+                    ),
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The omnistage client SDK: what users import.
+
+    from omni_common.client import Client
+
+    with Client("127.0.0.1:50051") as client:
+        image = client.generate("a red fox in snow", width=512, height=512, steps=20, seed=7)
+        image.save("fox.png")
+
+`AsyncClient` has the same methods as coroutines / async iterators. Failures raise the
+typed errors of omni_common.errors (InvalidArgument, NotFound, DeadlineExceeded, ...).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from PIL import Image
+
+from omni_common.errors import OmniError, error_from_rpc
+from omni_common.runtime.rpc import aio_channel, sync_channel
+from omnistage.v1 import coordinator_pb2 as cpb
+from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def generate_request(
+    prompt: str,
+    *,
+    negative_prompt: str = "",
+    width: int = 1024,
+    height: int = 1024,
+    steps: int = 50,
+    guidance: float = 4.0,
+    seed: int = 0,
+    model: str = "",
+    max_sequence_length: int = 512,
+    request_id: str = "",
+    return_tensor: bool = False,
+    progress_every: int = 1,
+) -> cpb.GenerateRequest:
+    """The GenerateRequest for these arguments (guidance is diffusers' true_cfg_scale)."""
+    params = stage_pb2.GenerationParams(
+        model=model,
+        prompt=prompt,
+        negative_prompt=negative_prompt,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        true_cfg_scale=guidance,
+        seed=seed,
+        max_sequence_length=max_sequence_length,
+    )
+    return cpb.GenerateRequest(
+        params=params, request_id=request_id, return_tensor=return_tensor, progress_every=progress_every
+    )
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation: the image, its PNG bytes, the raw tensor if asked for, timings."""
+
+    image: Image.Image
+    png: bytes
+    request_id: str
+    total_ms: float
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    tensor: np.ndarray | None = None
+
+
+class ResultBuilder:
+    """Folds a stream of GenerateEvents into a GenerationResult."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.stage_ms: dict[str, float] = {}
+        self.raw = bytearray()
+        self.result: cpb.Result | None = None
+
+    def add(self, event: cpb.GenerateEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "accepted":
+            self.request_id = event.accepted.request_id
+        elif kind == "stage_finished":
+            self.stage_ms[event.stage_finished.stage] = event.stage_finished.wall_ms
+        elif kind == "raw_chunk":
+            if event.raw_chunk.offset != len(self.raw):
+                raise OmniError("raw tensor chunks arrived out of order", grpc.StatusCode.DATA_LOSS)
+            self.raw.extend(event.raw_chunk.data)
+        elif kind == "result":
+            self.result = event.result
+
+    def build(self) -> GenerationResult:
+        if self.result is None:
+            raise OmniError("the stream ended without a result", grpc.StatusCode.DATA_LOSS)
+        image = Image.open(io.BytesIO(self.result.png))
+        image.load()
+        tensor = None
+        if self.result.HasField("tensor"):
+            ref = self.result.tensor
+            if len(self.raw) != ref.nbytes:
+                raise OmniError("raw tensor is incomplete", grpc.StatusCode.DATA_LOSS)
+            tensor = np.frombuffer(bytes(self.raw), dtype=np.dtype(ref.dtype)).reshape(tuple(ref.shape))
+        return GenerationResult(
+            image=image,
+            png=self.result.png,
+            request_id=self.request_id,
+            total_ms=self.result.total_ms,
+            stage_ms=self.stage_ms,
+            tensor=tensor,
+        )
+
+
+class Client:
+    """Blocking client of the coordinator."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = sync_channel(address)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the coordinator answers and serves at least one model."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.list_models():
+                    return
+            except OmniError:
+                pass
+            if time.monotonic() > deadline:
+                raise OmniError(
+                    f"no model ready at {self.address} after {timeout:g} s", grpc.StatusCode.UNAVAILABLE
+                )
+            time.sleep(0.2)
+
+    def events(
+        self, prompt: str, *, timeout: float | None = None, **options: object
+    ) -> Iterator[cpb.GenerateEvent]:
+        """Stream the GenerateEvents of one request (options as in `generate_request`)."""
+        request = generate_request(prompt, **options)  # type: ignore[arg-type]
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        finally:
+            call.cancel()
+
+    def generate_result(self, prompt: str, **options: object) -> GenerationResult:
+        builder = ResultBuilder()
+        for event in self.events(prompt, **options):  # type: ignore[arg-type]
+            builder.add(event)
+        return builder.build()
+
+    def generate(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        width: int = 1024,
+        height: int = 1024,
+        steps: int = 50,
+        guidance: float = 4.0,
+        seed: int = 0,
+        **options: object,
+    ) -> Image.Image:
+        """Generate one image and return it as a PIL image."""
+        return self.generate_result(
+            prompt,
+            negative_prompt=negative_prompt,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=guidance,
+            seed=seed,
+            **options,
+        ).image
+
+    def cancel(self, request_id: str) -> bool:
+        try:
+            return bool(self._stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=10).cancelled)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+    def list_models(self) -> list[cpb.ModelInfo]:
+        try:
+            return list(self._stub.ListModels(cpb.ListModelsRequest(), timeout=10).models)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+
+
+class AsyncClient:
+    """asyncio client of the coordinator; the same methods as Client, awaited."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = aio_channel(address)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def events(
+        self, prompt: str, *, timeout: float | None = None, **options: object
+    ) -> AsyncIterator[cpb.GenerateEvent]:
+        request = generate_request(prompt, **options)  # type: ignore[arg-type]
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        finally:
+            call.cancel()
+
+    async def generate_result(self, prompt: str, **options: object) -> GenerationResult:
+        builder = ResultBuilder()
+        async for event in self.events(prompt, **options):  # type: ignore[arg-type]
+            builder.add(event)
+        return builder.build()
+
+    async def generate(
+        self,
+        prompt: str,
+        negative_prompt: str = "",
+        width: int = 1024,
+        height: int = 1024,
+        steps: int = 50,
+        guidance: float = 4.0,
+        seed: int = 0,
+        **options: object,
+    ) -> Image.Image:
+        result = await self.generate_result(
+            prompt,
+            negative_prompt=negative_prompt,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance=guidance,
+            seed=seed,
+            **options,
+        )
+        return result.image
+
+    async def cancel(self, request_id: str) -> bool:
+        try:
+            response = await self._stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=10)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return bool(response.cancelled)
+
+    async def list_models(self) -> list[cpb.ModelInfo]:
+        try:
+            response = await self._stub.ListModels(cpb.ListModelsRequest(), timeout=10)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return list(response.models)

@@ -1,0 +1,144 @@
+"""The one config loader: every service setting is a command-line flag with an environment
+fallback (OMNISTAGE_<NAME>), which is how docker-compose.yml configures the services."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STAGES = ("ar-encoder", "dit-denoise", "vae-decode")
+DEFAULT_PORTS = {"coordinator": 50051, "ar-encoder": 50061, "dit-denoise": 50062, "vae-decode": 50063}
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(f"OMNISTAGE_{name}", default)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Settings of one stage replica."""
+
+    stage: str
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    threads: int = 0
+    model_name: str = ""
+    shm_dir: str = "/dev/shm"
+    lease_ttl_s: float = 600.0
+    inline_bytes: int = 64 * 1024
+    max_pixels: int = 4 * 1024 * 1024
+    advertise_host: str = ""
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of the coordinator: where each stage's replicas listen."""
+
+    replicas: dict[str, list[str]] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORTS["coordinator"]
+    shm_dir: str = "/dev/shm"
+    stage_timeout_s: float = 600.0
+    max_pixels: int = 4 * 1024 * 1024
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
+    parser.add_argument("--host", default=env("HOST", "127.0.0.1"), help="interface to bind")
+    parser.add_argument(
+        "--port", type=int, default=int(env("PORT", str(DEFAULT_PORTS[service]))), help="0 = any free port"
+    )
+    parser.add_argument("--shm-dir", default=env("SHM_DIR", "/dev/shm"), help="POSIX shared-memory directory")
+    parser.add_argument(
+        "--max-pixels",
+        type=int,
+        default=int(env("MAX_PIXELS", str(4 * 1024 * 1024))),
+        help="largest width*height served",
+    )
+
+
+def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
+    add_common_args(parser, stage)
+    parser.add_argument("--model", default=env("MODEL", ""), help="local diffusers model directory")
+    parser.add_argument("--model-name", default=env("MODEL_NAME", ""), help="served name (default: dir name)")
+    parser.add_argument("--device", default=env("DEVICE", "auto"), help="auto, cpu or cuda:N")
+    parser.add_argument(
+        "--dtype", default=env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16")
+    )
+    parser.add_argument(
+        "--threads", type=int, default=int(env("THREADS", "0")), help="torch threads (0 = all)"
+    )
+    parser.add_argument("--lease-ttl", type=float, default=float(env("LEASE_TTL_S", "600")))
+    parser.add_argument(
+        "--inline-bytes",
+        type=int,
+        default=int(env("INLINE_BYTES", str(64 * 1024))),
+        help="tensors up to this size travel inside the message, larger ones by handle",
+    )
+    parser.add_argument(
+        "--advertise-host",
+        default=env("ADVERTISE_HOST", ""),
+        help="host name peers use to reach this replica (default: --host)",
+    )
+
+
+def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
+    if not args.model:
+        raise SystemExit(f"{stage}: --model (or OMNISTAGE_MODEL) must name a local model directory")
+    return StageConfig(
+        stage=stage,
+        model_dir=Path(args.model),
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        model_name=args.model_name,
+        shm_dir=args.shm_dir,
+        lease_ttl_s=args.lease_ttl,
+        inline_bytes=args.inline_bytes,
+        max_pixels=args.max_pixels,
+        advertise_host=args.advertise_host,
+    )
+
+
+def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, "coordinator")
+    for stage in STAGES:
+        key = stage.replace("-", "_").upper()
+        parser.add_argument(
+            f"--{stage}",
+            default=env(key, f"127.0.0.1:{DEFAULT_PORTS[stage]}"),
+            help=f"comma-separated {stage} replica addresses (round robin)",
+        )
+    parser.add_argument("--stage-timeout", type=float, default=float(env("STAGE_TIMEOUT_S", "600")))
+
+
+def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    replicas = {
+        stage: [a.strip() for a in getattr(args, stage.replace("-", "_")).split(",") if a.strip()]
+        for stage in STAGES
+    }
+    for stage, addresses in replicas.items():
+        if not addresses:
+            raise SystemExit(f"coordinator: no {stage} address configured")
+    return CoordinatorConfig(
+        replicas=replicas,
+        host=args.host,
+        port=args.port,
+        shm_dir=args.shm_dir,
+        stage_timeout_s=args.stage_timeout,
+        max_pixels=args.max_pixels,
+    )

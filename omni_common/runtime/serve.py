@@ -1,0 +1,93 @@
+"""The one process launcher for every service: event loop, gRPC server, health, signals.
+
+SIGTERM/SIGINT drain the server: health turns NOT_SERVING, new calls are refused,
+in-flight calls get `grace_s` to finish, then the service's own cleanup runs (leases
+released, shared-memory segments unlinked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from omni_common.runtime.rpc import aio_server
+
+log = logging.getLogger("omnistage.serve")
+
+Setup = Callable[[grpc.aio.Server, str], Awaitable[None]]
+
+
+async def serve(
+    name: str,
+    bind_address: str,
+    setup: Setup,
+    *,
+    on_drain: Callable[[], None] = lambda: None,
+    is_idle: Callable[[], bool] = lambda: True,
+    on_stop: Callable[[], None] = lambda: None,
+    grace_s: float = 30.0,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Bind, call `setup(server, bound_address)`, serve until a signal or `stop` is set.
+
+    Draining keeps the server up (so peers can still fetch and release this process's
+    tensors) until `is_idle()` or `grace_s` has passed; then the server stops and
+    `on_stop` frees what is left. `ready(address)` is called once the server accepts calls
+    (tests bind port 0).
+    """
+    server = aio_server()
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(bind_address)
+    if port == 0:
+        raise SystemExit(f"{name}: cannot bind {bind_address}")
+    host = bind_address.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    await setup(server, address)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s listening on %s (pid %d)", name, address, os.getpid())
+    print(f"{name} ready on {address}", flush=True)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # Only the main thread may install handlers; in-process test clusters use `stop`.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready(address)
+    try:
+        await stop.wait()
+    finally:
+        log.info("%s draining (grace %.0f s)", name, grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        on_drain()
+        deadline = loop.time() + grace_s
+        while not is_idle() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await server.stop(1.0)
+        on_stop()
+        log.info("%s stopped", name)
+
+
+def run(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` on uvloop (OMNISTAGE_LOOP=asyncio for the standard loop)."""
+    if os.environ.get("OMNISTAGE_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop
+
+            uvloop.run(main)
+            return
+        except ImportError:
+            log.warning("uvloop is not installed; using the standard asyncio loop")
+    asyncio.run(main)

@@ -1,0 +1,174 @@
+"""The Stage gRPC servicer shared by all three stages.
+
+It validates the request, imports the input tensors (mapping handles, checking leases),
+runs the stage worker, exports the output into this process's arena and streams events.
+Torch work happens only inside the worker; errors become gRPC statuses here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import grpc
+import torch
+
+from omni_common.errors import InvalidArgument, NotFound, OmniError, Unavailable
+from omni_common.models.base import GenerationRequest, StageState
+from omni_common.runtime.config import StageConfig
+from omni_common.runtime.serve import serve
+from omni_common.transport import TensorTransport, add_tensor_store
+from omni_common.validation import check_request_id, to_request
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger("omnistage.stage")
+
+
+class StageWorker(Protocol):
+    """What the servicer needs of services/<stage>/worker.py."""
+
+    stage: str
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    in_flight: int
+
+    def validate(self, request: GenerationRequest) -> None: ...
+
+    def run(
+        self, request: GenerationRequest, inputs: StageState, progress_every: int
+    ) -> AsyncIterator[stage_pb2.StepProgress | StageState]: ...
+
+
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse NaN/Inf inputs: they would silently turn into a black or noisy image."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InvalidArgument(f"input tensor {name!r} contains NaN or Inf")
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, worker: StageWorker, transport: TensorTransport, max_pixels: int) -> None:
+        self.worker = worker
+        self.transport = transport
+        self.max_pixels = max_pixels
+        self.draining = False
+
+    def info(self) -> stage_pb2.StageInfo:
+        return stage_pb2.StageInfo(
+            stage=self.worker.stage,
+            model=self.worker.model_name,
+            family=self.worker.family.name,
+            host_id=self.transport.host_id,
+            device=str(self.worker.device),
+            dtype=str(self.worker.dtype).removeprefix("torch."),
+            address=self.transport.address,
+            queue_depth=self.worker.in_flight,
+        )
+
+    async def Info(
+        self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageInfo:
+        if self.draining:  # routers treat the replica as gone
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker.stage} is shutting down")
+        return self.info()
+
+    def _check(self, request: stage_pb2.StageRequest) -> GenerationRequest:
+        if self.draining:
+            raise Unavailable(f"{self.worker.stage} is shutting down; retry on another replica")
+        check_request_id(request.request_id)
+        if request.params.model != self.worker.model_name:
+            raise NotFound(
+                f"model {request.params.model[:100]!r} is not served here; "
+                f"this {self.worker.stage} serves {self.worker.model_name!r}"
+            )
+        gen = to_request(request.params, max_pixels=self.max_pixels)
+        self.worker.validate(gen)
+        return gen
+
+    async def Run(
+        self, request: stage_pb2.StageRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[stage_pb2.StageEvent]:
+        rid = request.request_id[:128]
+        self.worker.in_flight += 1
+        try:
+            gen = self._check(request)
+            tensors, meta = await self.transport.import_state(request.input)
+            check_finite(tensors)
+            started = time.perf_counter()
+            async for item in self.worker.run(gen, StageState(tensors, meta), request.progress_every):
+                if isinstance(item, stage_pb2.StepProgress):
+                    yield stage_pb2.StageEvent(step=item)
+                    continue
+                compute_ms = (time.perf_counter() - started) * 1e3
+                output = self.transport.export_state(
+                    item.tensors, item.meta, consumer_host_id=request.consumer_host_id
+                )
+                try:
+                    yield stage_pb2.StageEvent(
+                        result=stage_pb2.StageResult(output=output, compute_ms=compute_ms)
+                    )
+                except BaseException:
+                    # Nobody will ever hear of these leases: free them now, not at TTL.
+                    self.transport.release(self.transport.lease_ids(output))
+                    raise
+        except OmniError as err:
+            log.info("request %s: %s %s", rid, err.code.name, err.message)
+            await context.abort(err.code, err.message)
+        except asyncio.CancelledError:
+            log.info("request %s: cancelled by the caller", rid)
+            raise
+        except Exception:
+            log.exception("request %s: internal error", rid)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error in {self.worker.stage} (request {rid}); see the service log",
+            )
+        finally:
+            self.worker.in_flight -= 1
+
+
+async def serve_stage(
+    config: StageConfig,
+    make_worker: Callable[[StageConfig], StageWorker],
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+    transport: TensorTransport | None = None,
+) -> None:
+    """Load the worker, then serve Stage + TensorStore + Health until stopped."""
+    transport = transport or TensorTransport(
+        shm_dir=config.shm_dir, lease_ttl_s=config.lease_ttl_s, inline_threshold=config.inline_bytes
+    )
+    worker = make_worker(config)
+    servicer = StageServicer(worker, transport, config.max_pixels)
+
+    async def setup(server: grpc.aio.Server, address: str) -> None:
+        host = config.advertise_host or address.rsplit(":", 1)[0]
+        transport.address = f"{host}:{address.rsplit(':', 1)[1]}"
+        stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
+        add_tensor_store(server, transport)
+
+    def drain() -> None:
+        servicer.draining = True
+
+    def cleanup() -> None:
+        getattr(worker, "close", lambda: None)()
+        transport.close()
+
+    def idle() -> bool:
+        return worker.in_flight == 0 and transport.live_leases() == 0
+
+    await serve(
+        config.stage,
+        config.bind_address,
+        setup,
+        on_drain=drain,
+        is_idle=idle,
+        on_stop=cleanup,
+        ready=ready,
+        stop=stop,
+    )

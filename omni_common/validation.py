@@ -1,0 +1,89 @@
+"""Validation of user-facing generation parameters, shared by the coordinator and every stage.
+
+Each check names the field and the accepted range, so the caller can fix the request.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from omni_common.errors import InvalidArgument, ResourceExhausted
+from omni_common.models.base import GenerationRequest
+from omnistage.v1 import stage_pb2
+
+MAX_PROMPT_CHARS = 10_000
+MAX_SIDE = 4096
+MAX_PIXELS = 4 * 1024 * 1024
+MAX_STEPS = 1000
+MAX_CFG = 100.0
+MAX_SEQUENCE_LENGTH = 1024
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+DEFAULT_SIDE = 1024
+DEFAULT_STEPS = 50
+DEFAULT_CFG = 4.0
+DEFAULT_SEQUENCE_LENGTH = 512
+
+
+def check_request_id(request_id: str) -> str:
+    if not REQUEST_ID.match(request_id):
+        raise InvalidArgument("request_id must be 1-128 characters of letters, digits, '.', '_', '-'")
+    return request_id
+
+
+def with_defaults(params: stage_pb2.GenerationParams) -> stage_pb2.GenerationParams:
+    """Fill unset optional fields with the documented defaults (a copy; the input is unchanged)."""
+    out = stage_pb2.GenerationParams()
+    out.CopyFrom(params)
+    defaults = {
+        "width": DEFAULT_SIDE,
+        "height": DEFAULT_SIDE,
+        "num_inference_steps": DEFAULT_STEPS,
+        "true_cfg_scale": DEFAULT_CFG,
+        "max_sequence_length": DEFAULT_SEQUENCE_LENGTH,
+    }
+    for name, value in defaults.items():
+        if not params.HasField(name):
+            setattr(out, name, value)
+    return out
+
+
+def to_request(params: stage_pb2.GenerationParams, *, max_pixels: int = MAX_PIXELS) -> GenerationRequest:
+    """Check every field of fully specified params and return the runner-side request."""
+    if len(params.prompt) > MAX_PROMPT_CHARS:
+        raise InvalidArgument(f"prompt has {len(params.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+    if len(params.negative_prompt) > MAX_PROMPT_CHARS:
+        raise InvalidArgument(
+            f"negative_prompt has {len(params.negative_prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+        )
+    for name in ("width", "height"):
+        value = getattr(params, name)
+        if value < 16 or value > MAX_SIDE:
+            raise InvalidArgument(f"{name} is {value}; it must be in [16, {MAX_SIDE}]")
+        if value % 16:
+            raise InvalidArgument(f"{name} is {value}; it must be a multiple of 16")
+    pixels = params.width * params.height
+    if pixels > max_pixels:
+        raise ResourceExhausted(
+            f"{params.width}x{params.height} is {pixels} pixels; this server allows at most {max_pixels}"
+        )
+    steps = params.num_inference_steps
+    if steps < 1 or steps > MAX_STEPS:
+        raise InvalidArgument(f"num_inference_steps is {steps}; it must be in [1, {MAX_STEPS}]")
+    cfg = params.true_cfg_scale
+    if not math.isfinite(cfg) or cfg < 0 or cfg > MAX_CFG:
+        raise InvalidArgument(f"true_cfg_scale is {cfg}; it must be a finite number in [0, {MAX_CFG:g}]")
+    seq = params.max_sequence_length
+    if seq < 1 or seq > MAX_SEQUENCE_LENGTH:
+        raise InvalidArgument(f"max_sequence_length is {seq}; it must be in [1, {MAX_SEQUENCE_LENGTH}]")
+    return GenerationRequest(
+        prompt=params.prompt,
+        negative_prompt=params.negative_prompt,
+        width=params.width,
+        height=params.height,
+        num_inference_steps=steps,
+        true_cfg_scale=cfg,
+        seed=params.seed,
+        max_sequence_length=seq,
+    )

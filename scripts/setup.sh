@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up everything omnistage needs in ./.venv, from a machine with only Python 3.11+.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: 2.13.0's CPU wheel is on this project's machines, and an unpinned
+# torch pulled in by a dependency would be a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[dev]"
+
+# docker-compose (Debian's package) validates docker-compose.yml without a Docker engine.
+if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) \
+    >/dev/null 2>&1 || echo "note: docker-compose could not be installed; its check will be skipped"
+fi
+echo "omnistage is set up in .venv"

@@ -1,0 +1,165 @@
+"""Coordinator server: where a client's request enters and where its image leaves.
+
+Generate validates the request, runs a RequestFlow in its own task and streams the
+task's events; Cancel (or the client going away) cancels that task, which releases every
+lease of the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from omni_common.errors import AlreadyExists, Cancelled, OmniError
+from omni_common.runtime.config import CoordinatorConfig
+from omni_common.runtime.serve import run, serve
+from omni_common.transport import TensorTransport
+from omni_common.validation import check_request_id, to_request, with_defaults
+from omnistage.v1 import coordinator_pb2 as cpb
+from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
+from services.coordinator.flow import RequestFlow
+from services.coordinator.registry import ReplicaPool
+
+log = logging.getLogger("omnistage.coordinator")
+
+_DONE = None
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, pool: ReplicaPool, transport: TensorTransport, config: CoordinatorConfig) -> None:
+        self.pool = pool
+        self.flow = RequestFlow(pool, transport, config.stage_timeout_s)
+        self.max_pixels = config.max_pixels
+        self.in_flight: dict[str, asyncio.Task[None]] = {}
+
+    def _accept(self, request: cpb.GenerateRequest) -> tuple[str, stage_pb2.GenerationParams]:
+        request_id = request.request_id or secrets.token_hex(8)
+        check_request_id(request_id)
+        if request_id in self.in_flight:
+            raise AlreadyExists(f"request {request_id} is already in flight; use another id")
+        params = with_defaults(request.params)
+        to_request(params, max_pixels=self.max_pixels)
+        params.model = self.pool.resolve_model(params.model)
+        return request_id, params
+
+    async def Generate(
+        self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[cpb.GenerateEvent]:
+        try:
+            request_id, params = self._accept(request)
+        except OmniError as err:
+            await context.abort(err.code, err.message)
+            return
+        events: asyncio.Queue[cpb.GenerateEvent | None] = asyncio.Queue()
+        task = asyncio.create_task(self._run(request_id, params, request, events))
+        self.in_flight[request_id] = task
+        log.info(
+            "request %s accepted: %dx%d, %d steps",
+            request_id,
+            params.width,
+            params.height,
+            params.num_inference_steps,
+        )
+        try:
+            yield cpb.GenerateEvent(accepted=cpb.Accepted(request_id=request_id))
+            while (event := await events.get()) is not _DONE:
+                yield event
+            error = await _outcome(task, request_id)
+        finally:
+            if not task.done():  # the client went away: stop the work, free its leases
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.in_flight.pop(request_id, None)
+        if error is not None:
+            log.info("request %s failed: %s %s", request_id, error.code.name, error.message)
+            yield cpb.GenerateEvent(error=cpb.Error(code=error.code.name, message=error.message))
+            await context.abort(error.code, error.message)
+
+    async def _run(
+        self,
+        request_id: str,
+        params: stage_pb2.GenerationParams,
+        request: cpb.GenerateRequest,
+        events: asyncio.Queue[cpb.GenerateEvent | None],
+    ) -> None:
+        try:
+            await self.flow.run(
+                request_id,
+                params,
+                return_tensor=request.return_tensor,
+                progress_every=request.progress_every,
+                emit=events.put,
+            )
+        finally:
+            events.put_nowait(_DONE)
+
+    async def Cancel(
+        self, request: cpb.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.CancelResponse:
+        task = self.in_flight.get(request.request_id)
+        if task is None or task.done():
+            return cpb.CancelResponse(cancelled=False)
+        task.cancel()
+        log.info("request %s: cancel requested", request.request_id)
+        return cpb.CancelResponse(cancelled=True)
+
+    async def ListModels(
+        self, request: cpb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ListModelsResponse:
+        return cpb.ListModelsResponse(
+            models=[
+                cpb.ModelInfo(name=name, family=family, replicas=counts)
+                for name, (family, counts) in sorted(self.pool.models().items())
+            ]
+        )
+
+
+async def _outcome(task: asyncio.Task[None], request_id: str) -> OmniError | None:
+    """The request's error, if it failed; internal faults are logged, not leaked."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        return Cancelled(f"request {request_id} was cancelled")
+    except OmniError as err:
+        return err
+    except Exception:
+        log.exception("request %s: internal error", request_id)
+        return OmniError(f"internal error in the coordinator (request {request_id}); see its log")
+    return None
+
+
+async def serve_coordinator(
+    config: CoordinatorConfig,
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+    transport: TensorTransport | None = None,
+) -> None:
+    pool = ReplicaPool.from_addresses(config.replicas)
+    transport = transport or TensorTransport(shm_dir=config.shm_dir)
+    servicer = CoordinatorServicer(pool, transport, config)
+    refresher: list[asyncio.Task[None]] = []
+
+    async def setup(server: grpc.aio.Server, address: str) -> None:
+        transport.address = address
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        await pool.refresh()
+        refresher.append(asyncio.create_task(pool.keep_fresh()))
+
+    def cleanup() -> None:
+        for task in refresher:
+            task.cancel()
+        transport.close()
+
+    await serve(
+        "coordinator", config.bind_address, setup,
+        is_idle=lambda: not servicer.in_flight, on_stop=cleanup, ready=ready, stop=stop,
+    )
+
+
+def main(config: CoordinatorConfig) -> None:
+    run(serve_coordinator(config))

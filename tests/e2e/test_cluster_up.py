@@ -1,0 +1,109 @@
+"""`omnistage cluster up` runs docker-compose.yml's services as processes, serves, and on
+Ctrl-C leaves no process and no shared-memory segment behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_common.client import Client
+from tests.conftest import omnistage_segments
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def children_of(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+def test_cluster_up_generates_and_ctrl_c_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model, models / "qwen-image-tiny")
+    before = omnistage_segments()
+    env = {**os.environ, "OMNISTAGE_MODELS": str(models)}
+    cli = [sys.executable, "-m", "omni_common.cli"]
+    launcher = subprocess.Popen(
+        [
+            *cli,
+            "cluster",
+            "up",
+            "--compose",
+            str(REPO / "docker-compose.yml"),
+            "--logs",
+            str(tmp_path / "logs"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            lines.append(line)
+            if "cluster ready" in line or launcher.poll() is not None:
+                break
+        assert "cluster ready" in lines[-1], "".join(lines)
+        services = children_of(launcher.pid)
+        assert len(services) == 4
+
+        out = tmp_path / "cat.png"
+        done = subprocess.run(
+            [
+                *cli,
+                "generate",
+                "a cat",
+                "-o",
+                str(out),
+                "--width",
+                "64",
+                "--height",
+                "64",
+                "--steps",
+                "3",
+                "--quiet",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"saved {out}" in done.stdout and out.stat().st_size > 0
+        with Client("127.0.0.1:50051") as client:
+            assert [m.name for m in client.list_models()] == ["qwen-image-tiny"]
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(90)
+    assert launcher.returncode == 0
+    assert not [pid for pid in services if alive(pid)]
+    assert omnistage_segments() == before

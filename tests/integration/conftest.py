@@ -1,0 +1,99 @@
+"""An in-process cluster: real grpc.aio servers on loopback (three stages and the
+coordinator) on one event loop in a background thread, with real shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from omni_common.runtime.config import CoordinatorConfig, StageConfig
+from omni_common.runtime.stage_service import serve_stage
+from omni_common.transport import TensorTransport
+from services.ar_encoder.worker import EncoderWorker
+from services.coordinator.server import serve_coordinator
+from services.dit_denoise.worker import DenoiseWorker
+from services.vae_decode.worker import DecodeWorker
+
+WORKERS = {"ar-encoder": EncoderWorker, "dit-denoise": DenoiseWorker, "vae-decode": DecodeWorker}
+
+
+@dataclass
+class InProcessCluster:
+    model_dir: Path
+    dtype: str = "float32"
+    addresses: dict[str, str] = field(default_factory=dict)
+    transports: dict[str, TensorTransport] = field(default_factory=dict)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+
+    def __post_init__(self) -> None:
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def coordinator(self) -> str:
+        return self.addresses["coordinator"]
+
+    def start(self) -> None:
+        self._thread.start()
+        self._tasks = []
+        for stage, worker in WORKERS.items():
+            config = StageConfig(stage=stage, model_dir=self.model_dir, dtype=self.dtype, port=0)
+            # A low inline threshold sends every hop but the smallest through shared memory.
+            transport = self.transports[stage] = TensorTransport(inline_threshold=1024)
+            self._launch(
+                stage,
+                serve_stage(config, worker, ready=self._ready(stage), stop=self._stop, transport=transport),
+            )
+        replicas = {stage: [self.addresses[stage]] for stage in WORKERS}
+        config = CoordinatorConfig(replicas=replicas, port=0)
+        transport = self.transports["coordinator"] = TensorTransport()
+        self._launch(
+            "coordinator",
+            serve_coordinator(config, ready=self._ready("coordinator"), stop=self._stop, transport=transport),
+        )
+
+    def live_leases(self) -> dict[str, int]:
+        return {name: t.live_leases() for name, t in self.transports.items()}
+
+    def _ready(self, name: str):  # type: ignore[no-untyped-def]
+        event = threading.Event()
+        self._events = getattr(self, "_events", {})
+        self._events[name] = event
+
+        def mark(address: str) -> None:
+            self.addresses[name] = address
+            event.set()
+
+        return mark
+
+    def _launch(self, name: str, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._tasks.append(task)
+        while not self._events[name].wait(0.1):
+            if task.done():
+                task.result()  # raises the start-up error
+        assert name in self.addresses
+
+    def call(self, coro):  # type: ignore[no-untyped-def]
+        """Run a coroutine on the cluster's loop (to reach its objects) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        for task in self._tasks:
+            task.result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path) -> Iterator[InProcessCluster]:
+    running = InProcessCluster(tiny_model)
+    running.start()
+    yield running
+    running.stop()

@@ -1,0 +1,65 @@
+"""docker-compose.yml is valid and the local launcher runs exactly what it declares."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni_common.cluster import interpolate, load_compose, local_plan
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+
+
+def test_docker_compose_accepts_the_file() -> None:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose (Debian's package) is not installed; scripts/setup.sh installs it")
+    done = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_compose_declares_the_coordinator_and_one_service_per_stage() -> None:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert set(doc["services"]) == {"coordinator", "ar-encoder", "dit-denoise", "vae-decode"}
+    for name, body in doc["services"].items():
+        assert body["ipc"] == "host", f"{name} must share /dev/shm with the other stages"
+        assert body["healthcheck"]["test"][:3] == ["CMD", "omnistage", "health"]
+        assert body["command"][:2] == ["omnistage", "serve"] and body["command"][2] == name
+
+
+def test_launcher_runs_exactly_the_declared_commands_and_environment() -> None:
+    env = {"OMNISTAGE_MODELS": "/srv/models"}
+    specs = load_compose(COMPOSE, env)
+    plan = local_plan(specs, REPO)
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert [p.name for p in plan][-1] == "coordinator", "stages start before the coordinator"
+    assert {p.name for p in plan} == set(doc["services"])
+    for process in plan:
+        declared = doc["services"][process.name]
+        assert process.argv == [sys.executable, "-m", "omni_common.cli", *declared["command"][1:]]
+        assert set(process.environment) == set(declared["environment"])
+        for key, value in declared["environment"].items():
+            raw = interpolate(str(value), env)
+            local = process.environment[key]
+            if raw.startswith("/models/"):
+                assert local == "/srv/models/" + raw.removeprefix("/models/")
+            elif raw in doc["services"] or raw == "0.0.0.0":
+                assert local == "127.0.0.1"
+            elif ":" in raw and raw.split(":")[0] in doc["services"]:
+                assert local == "127.0.0.1:" + raw.split(":")[1]
+            else:
+                assert local == raw
+        assert process.health_address == declared["healthcheck"]["test"][-1]
+
+
+def test_interpolation_follows_compose_rules() -> None:
+    assert interpolate("${A:-x}/${B}", {"A": "a"}) == "a/"
+    assert interpolate("${A:-x}", {}) == "x"
+    assert interpolate("${A:-x}", {"A": ""}) == "x"
