@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from omni_common.errors import InvalidArgument, NotFound, OmniError, Unavailable
-from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.serve import serve
 from omni_common.transport import TensorTransport, add_tensor_store
@@ -32,6 +32,7 @@ class StageWorker(Protocol):
 
     stage: str
     model_name: str
+    family: ModelFamily
     device: torch.device
     dtype: torch.dtype
     in_flight: int

@@ -1,0 +1,64 @@
+"""Qwen-Image decode stage: packed latents -> images, as the end of `QwenImagePipeline.__call__`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import StageState
+
+
+class QwenImageDecoder:
+    """AutoencoderKLQwenImage; one image per state, float32 [3, H, W] in [0, 1]."""
+
+    def __init__(self, vae: AutoencoderKLQwenImage, device: torch.device) -> None:
+        self.vae = vae
+        self.device = device
+        self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
+        # Latents are packed in 2x2 patches, so sizes are multiples of twice the VAE factor.
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+
+    @classmethod
+    def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:
+        """Load vae/ of a diffusers Qwen-Image directory."""
+        vae = AutoencoderKLQwenImage.from_pretrained(model_dir / "vae", dtype=dtype)
+        return cls(vae.to(device).eval(), device)
+
+    def decode(self, states: Sequence[StageState]) -> list[torch.Tensor]:
+        return [self._decode_one(state) for state in states]
+
+    @torch.inference_mode()
+    def _decode_one(self, state: StageState) -> torch.Tensor:
+        try:
+            latents = state.tensors["latents"].to(self.device)
+            height, width = int(state.meta["height"]), int(state.meta["width"])
+        except (KeyError, ValueError) as exc:
+            raise InvalidArgument("decode input needs 'latents' and height/width meta") from exc
+        patch = self.vae_scale_factor * 2
+        expected = (height // patch) * (width // patch)
+        if latents.dim() != 3 or latents.shape[0] != 1 or latents.shape[1] != expected:
+            raise InvalidArgument(
+                f"latents of shape {tuple(latents.shape)} do not fit a {width}x{height} image"
+            )
+        config = self.vae.config
+        latents = QwenImagePipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
+        latents = latents.to(self.vae.dtype)
+        z_dim = config["z_dim"]
+        latents_mean = (
+            torch.tensor(config["latents_mean"])
+            .view(1, z_dim, 1, 1, 1)
+            .to(latents.device, latents.dtype)
+        )
+        latents_std = 1.0 / torch.tensor(config["latents_std"]).view(1, z_dim, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        latents = latents / latents_std + latents_mean
+        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        image = self.image_processor.postprocess(image, output_type="pt")
+        return image[0].float()

@@ -1,0 +1,198 @@
+"""Qwen-Image denoise stage, step-wise: the loop of `QwenImagePipeline.__call__` split into
+prepare (noise, timesteps), step (one transformer forward + Euler step) and finish.
+
+The latent size depends on the VAE's compression, 2 ** len(vae.temperal_downsample): 8 for
+Qwen-Image, 4 for the tiny fixture. The DiT stage loads no VAE, and diffusers' pipeline
+silently assumes 8 without one, so the factor is read from vae/config.json and passed explicitly
+(8 when the directory has no vae/).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import (
+    QwenImagePipeline,
+    calculate_shift,
+    retrieve_timesteps,
+)
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
+    FlowMatchEulerDiscreteScheduler,
+)
+from diffusers.utils.torch_utils import randn_tensor
+
+from omni_common.errors import InvalidArgument, Unimplemented
+from omni_common.models.base import DenoiseState, GenerationRequest, StageState
+
+DEFAULT_VAE_SCALE_FACTOR = 8
+
+
+def vae_scale_factor_for(model_dir: Path) -> int:
+    """The VAE's spatial compression, from its config only (no weights are loaded)."""
+    config_path = model_dir / "vae" / "config.json"
+    if not config_path.is_file():
+        return DEFAULT_VAE_SCALE_FACTOR
+    config = json.loads(config_path.read_text())
+    return int(2 ** len(config["temperal_downsample"]))
+
+
+@dataclass(kw_only=True)
+class QwenImageDenoiseState(DenoiseState):
+    """One request in flight: packed latents [1, seq, C*4] and its own scheduler."""
+
+    latents: torch.Tensor
+    scheduler: FlowMatchEulerDiscreteScheduler  # stateful (step index): one per request
+    timesteps: torch.Tensor
+    img_shapes: list[list[tuple[int, int, int]]]  # [[(frames, patch rows, patch cols)]]
+    prompt_embeds: torch.Tensor
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds_mask: torch.Tensor | None = None
+
+
+class QwenImageDenoiser:
+    """QwenImageTransformer2DModel with flow-matching Euler and dynamic shift."""
+
+    def __init__(
+        self,
+        transformer: QwenImageTransformer2DModel,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        device: torch.device,
+        dtype: torch.dtype,
+        vae_scale_factor: int = DEFAULT_VAE_SCALE_FACTOR,
+    ) -> None:
+        if transformer.config["guidance_embeds"]:
+            raise Unimplemented("guidance-distilled Qwen-Image models are not supported yet")
+        self.transformer = transformer
+        self.scheduler_config = scheduler.config  # a fresh scheduler per request: it is stateful
+        self.device = device
+        self.dtype = dtype
+        self.vae_scale_factor = vae_scale_factor
+
+    @classmethod
+    def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDenoiser:
+        """Load transformer/ and the scheduler config of a diffusers Qwen-Image directory."""
+        transformer = QwenImageTransformer2DModel.from_pretrained(
+            model_dir / "transformer", dtype=dtype
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")
+        vae_scale_factor = vae_scale_factor_for(model_dir)
+        return cls(transformer.to(device).eval(), scheduler, device, dtype, vae_scale_factor)
+
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> QwenImageDenoiseState:
+        """Initial noise exactly as the pipeline draws it, timesteps, a fresh scheduler."""
+        embeds = {k: v.to(self.device) for k, v in inputs.tensors.items()}
+        if "prompt_embeds" not in embeds:
+            raise InvalidArgument("denoise input lacks the tensor 'prompt_embeds'")
+        if request.do_true_cfg and "negative_prompt_embeds" not in embeds:
+            raise InvalidArgument("true CFG needs the tensor 'negative_prompt_embeds'")
+        channels = self.transformer.config["in_channels"] // 4
+        height = 2 * (request.height // (self.vae_scale_factor * 2))
+        width = 2 * (request.width // (self.vae_scale_factor * 2))
+        # The pipeline's generator is a CPU one: noise is drawn on the CPU, then moved.
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        noise = randn_tensor(
+            (1, 1, channels, height, width), generator=generator, device=self.device, dtype=self.dtype
+        )
+        latents = QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
+        img_shapes = [[(1, height // 2, width // 2)]]
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        steps = request.num_inference_steps
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            latents.shape[1],
+            scheduler.config.get("base_image_seq_len", 256),
+            scheduler.config.get("max_image_seq_len", 4096),
+            scheduler.config.get("base_shift", 0.5),
+            scheduler.config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
+        scheduler.set_begin_index(0)
+        return QwenImageDenoiseState(
+            request=request,
+            step_index=0,
+            total_steps=len(timesteps),
+            latents=latents,
+            scheduler=scheduler,
+            timesteps=timesteps,
+            prompt_embeds=embeds["prompt_embeds"],
+            prompt_embeds_mask=embeds.get("prompt_embeds_mask"),
+            negative_prompt_embeds=embeds.get("negative_prompt_embeds"),
+            negative_prompt_embeds_mask=embeds.get("negative_prompt_embeds_mask"),
+            img_shapes=img_shapes,
+        )
+
+    def batch_key(self, state: DenoiseState) -> Hashable:
+        request = state.request
+        return (request.height, request.width, request.do_true_cfg, self.dtype)
+
+    def step(self, states: Sequence[DenoiseState]) -> None:
+        """Advance each state by one step (one request per forward for now)."""
+        for state in states:
+            assert isinstance(state, QwenImageDenoiseState)
+            self._step_one(state)
+
+    @torch.inference_mode()
+    def _step_one(self, state: QwenImageDenoiseState) -> None:
+        latents = state.latents
+        t = state.timesteps[state.step_index]
+        timestep = t.expand(latents.shape[0]).to(latents.dtype)  # rounded in the model dtype
+        noise_pred = self._forward(
+            latents, timestep, state.prompt_embeds, state.prompt_embeds_mask, state.img_shapes
+        )
+        if state.request.do_true_cfg:
+            assert state.negative_prompt_embeds is not None
+            neg_noise_pred = self._forward(
+                latents,
+                timestep,
+                state.negative_prompt_embeds,
+                state.negative_prompt_embeds_mask,
+                state.img_shapes,
+            )
+            scale = state.request.true_cfg_scale
+            comb_pred = neg_noise_pred + scale * (noise_pred - neg_noise_pred)
+            # Rescale the guided prediction to the norm of the conditional one.
+            cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+            noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
+            noise_pred = comb_pred * (cond_norm / noise_norm)
+        step = state.scheduler.step(noise_pred, t, latents, return_dict=False)  # type: ignore[arg-type]
+        state.latents = step[0]
+        state.step_index += 1
+
+    def _forward(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        img_shapes: list[list[tuple[int, int, int]]],
+    ) -> torch.Tensor:
+        return self.transformer(
+            hidden_states=latents,
+            timestep=timestep / 1000,
+            guidance=None,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds.to(self.dtype),
+            img_shapes=img_shapes,
+            attention_kwargs={},
+            return_dict=False,
+        )[0]
+
+    def is_done(self, state: DenoiseState) -> bool:
+        return state.step_index >= state.total_steps
+
+    def finish(self, state: DenoiseState) -> StageState:
+        """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
+        assert isinstance(state, QwenImageDenoiseState)
+        request = state.request
+        return StageState(
+            tensors={"latents": state.latents},
+            meta={"height": str(request.height), "width": str(request.width)},
+        )

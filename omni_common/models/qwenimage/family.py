@@ -1,0 +1,45 @@
+"""The Qwen-Image model family: request validation and per-stage loaders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import GenerationRequest
+from omni_common.models.qwenimage.decode import QwenImageDecoder
+from omni_common.models.qwenimage.denoise import DEFAULT_VAE_SCALE_FACTOR, QwenImageDenoiser
+from omni_common.models.qwenimage.encode import TOKENIZER_MAX_LENGTH, QwenImageEncoder
+
+# Qwen-Image's VAE compresses 8x and the DiT packs 2x2 patches (the tiny fixture's VAE
+# compresses 4x, so 16 serves it too).
+SIZE_MULTIPLE = DEFAULT_VAE_SCALE_FACTOR * 2
+
+
+class QwenImageFamily:
+    """diffusers' QwenImagePipeline split into encode / denoise / decode."""
+
+    name = "qwenimage"
+
+    def validate(self, request: GenerationRequest) -> None:
+        """What this family adds to omni_common.validation's ranges: the patch grid."""
+        for side, value in (("width", request.width), ("height", request.height)):
+            if value % SIZE_MULTIPLE:
+                raise InvalidArgument(f"{side} is {value}; it must be a multiple of {SIZE_MULTIPLE}")
+        if request.max_sequence_length > TOKENIZER_MAX_LENGTH:
+            raise InvalidArgument(
+                f"max_sequence_length is {request.max_sequence_length}; "
+                f"this model allows at most {TOKENIZER_MAX_LENGTH}"
+            )
+
+    def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageEncoder:
+        return QwenImageEncoder.load(Path(model_dir), device, dtype)
+
+    def load_denoiser(
+        self, model_dir: Path, device: torch.device, dtype: torch.dtype
+    ) -> QwenImageDenoiser:
+        return QwenImageDenoiser.load(Path(model_dir), device, dtype)
+
+    def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:
+        return QwenImageDecoder.load(Path(model_dir), device, dtype)

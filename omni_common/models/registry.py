@@ -1,0 +1,63 @@
+"""Model families by name, and which family serves a diffusers model directory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from omni_common.errors import InvalidArgument, NotFound
+from omni_common.models.base import ModelFamily
+
+
+def _qwenimage() -> ModelFamily:
+    from omni_common.models.qwenimage.family import QwenImageFamily
+
+    return QwenImageFamily()
+
+
+# name -> factory; imports stay lazy so a service only imports the family it serves.
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"qwenimage": _qwenimage}
+# diffusers pipeline class (model_index.json "_class_name") -> family name
+_PIPELINE_CLASSES = {"QwenImagePipeline": "qwenimage"}
+
+
+def family_names() -> list[str]:
+    """The registered family names, sorted."""
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family registered under `name`; NotFound for an unknown name."""
+    factory = _FAMILIES.get(name)
+    if factory is None:
+        raise NotFound(f"unknown model family {name!r}; known: {', '.join(family_names())}")
+    return factory()
+
+
+def family_for_model_dir(model_dir: Path) -> ModelFamily:
+    """The family of a diffusers model directory, from its model_index.json `_class_name`."""
+    index = Path(model_dir) / "model_index.json"
+    try:
+        class_name = json.loads(index.read_text())["_class_name"]
+    except FileNotFoundError as exc:
+        raise NotFound(
+            f"model {model_name_for_dir(model_dir)!r} has no model_index.json: "
+            "expected a diffusers pipeline directory"
+        ) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(
+            f"model {model_name_for_dir(model_dir)!r}: model_index.json lacks a valid _class_name"
+        ) from exc
+    name = _PIPELINE_CLASSES.get(class_name)
+    if name is None:
+        raise NotFound(
+            f"model {model_name_for_dir(model_dir)!r} is a {class_name}, which no model family "
+            f"serves; supported: {', '.join(sorted(_PIPELINE_CLASSES))}"
+        )
+    return get_family(name)
+
+
+def model_name_for_dir(model_dir: Path) -> str:
+    """The name a model is served under: its directory's basename."""
+    return Path(model_dir).resolve().name

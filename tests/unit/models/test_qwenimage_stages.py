@@ -1,0 +1,78 @@
+"""Stage-level behaviour of the Qwen-Image runners: encoder masks, denoiser shapes and keys,
+decoder input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import GenerationRequest, StageState
+
+SHORT, LONG = "a cat", "a red cat sitting on a blue mat under a green tree"
+
+
+def test_single_prompt_has_no_mask(split_runners) -> None:
+    encoder = split_runners(torch.float32)[0]
+    request = GenerationRequest(prompt=SHORT, negative_prompt=LONG, true_cfg_scale=4.0)
+    tensors = encoder.encode([request])[0].tensors
+    assert set(tensors) == {"prompt_embeds", "negative_prompt_embeds"}
+    assert tensors["prompt_embeds"].shape[0] == 1 and tensors["prompt_embeds"].shape[2] == 16
+
+
+def test_texts_of_different_lengths_get_a_mask_like_diffusers(
+    split_runners, reference_pipeline
+) -> None:
+    encoder = split_runners(torch.float32)[0]
+    embeds, mask = encoder.encode_texts([SHORT, LONG], max_sequence_length=512)
+    assert mask is not None and mask.dtype == torch.int64
+    assert mask[1].all() and not mask[0].all()
+    assert torch.equal(embeds[0][mask[0] == 0], torch.zeros_like(embeds[0][mask[0] == 0]))
+    ref_embeds, ref_mask = reference_pipeline(torch.float32).encode_prompt(
+        [SHORT, LONG], device=torch.device("cpu"), max_sequence_length=512
+    )
+    assert torch.equal(embeds, ref_embeds) and torch.equal(mask, ref_mask)
+
+
+def test_max_sequence_length_truncates(split_runners) -> None:
+    encoder = split_runners(torch.float32)[0]
+    request = GenerationRequest(prompt=LONG, max_sequence_length=3)
+    assert encoder.encode([request])[0].tensors["prompt_embeds"].shape[1] == 3
+
+
+def test_denoiser_reads_the_vae_scale_factor(split_runners) -> None:
+    assert split_runners(torch.float32)[1].vae_scale_factor == 4
+
+
+def test_batch_key_and_finish(split_runners) -> None:
+    encoder, denoiser, _ = split_runners(torch.float32)
+    request = GenerationRequest(prompt=SHORT, width=64, height=32, num_inference_steps=2)
+    state = denoiser.prepare(request, encoder.encode([request])[0])
+    assert denoiser.batch_key(state) == (32, 64, False, torch.float32)
+    assert state.total_steps == 2 and not denoiser.is_done(state)
+    denoiser.step([state])
+    denoiser.step([state])
+    assert denoiser.is_done(state)
+    result = denoiser.finish(state)
+    # 64x32 pixels / (4x VAE * 2x2 patches) = 8 x 4 patches of 4 channels x 4
+    assert result.tensors["latents"].shape == (1, 8 * 4, 16)
+    assert result.meta == {"height": "32", "width": "64"}
+
+
+def test_prepare_needs_the_embeddings(split_runners) -> None:
+    encoder, denoiser, _ = split_runners(torch.float32)
+    plain = GenerationRequest(prompt=SHORT, width=64, height=64)
+    with pytest.raises(InvalidArgument):
+        denoiser.prepare(plain, StageState(tensors={}))
+    cfg = GenerationRequest(prompt=SHORT, negative_prompt=LONG, width=64, height=64)
+    with pytest.raises(InvalidArgument, match="negative_prompt_embeds"):
+        denoiser.prepare(cfg, encoder.encode([plain])[0])
+
+
+def test_decoder_rejects_latents_of_the_wrong_size(split_runners) -> None:
+    decoder = split_runners(torch.float32)[2]
+    state = StageState(tensors={"latents": torch.zeros(1, 5, 16)}, meta={"height": "64", "width": "64"})
+    with pytest.raises(InvalidArgument):
+        decoder.decode([state])
+    with pytest.raises(InvalidArgument):
+        decoder.decode([StageState(tensors={"latents": torch.zeros(1, 64, 16)})])

@@ -1,0 +1,47 @@
+"""Model families are found by name and by a diffusers directory's pipeline class."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from omni_common.errors import InvalidArgument, NotFound
+from omni_common.models.base import GenerationRequest
+from omni_common.models.registry import family_for_model_dir, get_family, model_name_for_dir
+
+
+def test_get_family_by_name() -> None:
+    assert get_family("qwenimage").name == "qwenimage"
+    with pytest.raises(NotFound, match="unknown model family"):
+        get_family("nope")
+
+
+def test_family_for_a_qwen_image_directory(tiny_model: Path) -> None:
+    assert family_for_model_dir(tiny_model).name == "qwenimage"
+    assert model_name_for_dir(tiny_model) == "qwen-image-tiny"
+
+
+def test_unknown_or_missing_pipeline_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match=r"model_index\.json"):
+        family_for_model_dir(tmp_path)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(NotFound, match="FluxPipeline"):
+        family_for_model_dir(tmp_path)
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(InvalidArgument):
+        family_for_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"width": 72}, {"height": 40}, {"max_sequence_length": 1025}],
+)
+def test_validate_rejects_what_the_patch_grid_and_tokenizer_cannot_take(fields: dict) -> None:
+    with pytest.raises(InvalidArgument):
+        get_family("qwenimage").validate(GenerationRequest(prompt="x", **fields))
+
+
+def test_validate_accepts_a_plain_request() -> None:
+    get_family("qwenimage").validate(GenerationRequest(prompt="x", width=64, height=48))
