@@ -156,8 +156,13 @@ async def serve_coordinator(
         transport.close()
 
     await serve(
-        "coordinator", config.bind_address, setup,
-        is_idle=lambda: not servicer.in_flight, on_stop=cleanup, ready=ready, stop=stop,
+        "coordinator",
+        config.bind_address,
+        setup,
+        is_idle=lambda: not servicer.in_flight,
+        on_stop=cleanup,
+        ready=ready,
+        stop=stop,
     )
 
 

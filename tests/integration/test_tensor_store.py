@@ -61,8 +61,12 @@ def test_remote_ref_is_fetched_in_chunks_and_released() -> None:
         assert torch.equal(got["latents"].view(torch.int16), t.view(torch.int16))
         assert torch.equal(small.view(torch.int16), t.view(torch.int16))
         async with aio_channel(address) as ch:
-            chunks = [c async for c in tensor_pb2_grpc.TensorStoreStub(ch).Fetch(
-                tensor_pb2.FetchRequest(lease_id=ref.remote.lease_id, chunk_bytes=100_000))]
+            chunks = [
+                c
+                async for c in tensor_pb2_grpc.TensorStoreStub(ch).Fetch(
+                    tensor_pb2.FetchRequest(lease_id=ref.remote.lease_id, chunk_bytes=100_000)
+                )
+            ]
         assert [c.offset for c in chunks] == list(range(0, 600_000, 100_000))
         assert await release_remote(address, tr.lease_ids(state)) == 1
         assert await release_remote(address, tr.lease_ids(state)) == 0

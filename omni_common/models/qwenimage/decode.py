@@ -51,9 +51,7 @@ class QwenImageDecoder:
         latents = latents.to(self.vae.dtype)
         z_dim = config["z_dim"]
         latents_mean = (
-            torch.tensor(config["latents_mean"])
-            .view(1, z_dim, 1, 1, 1)
-            .to(latents.device, latents.dtype)
+            torch.tensor(config["latents_mean"]).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         )
         latents_std = 1.0 / torch.tensor(config["latents_std"]).view(1, z_dim, 1, 1, 1).to(
             latents.device, latents.dtype

@@ -78,9 +78,7 @@ class QwenImageDenoiser:
     @classmethod
     def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDenoiser:
         """Load transformer/ and the scheduler config of a diffusers Qwen-Image directory."""
-        transformer = QwenImageTransformer2DModel.from_pretrained(
-            model_dir / "transformer", dtype=dtype
-        )
+        transformer = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", dtype=dtype)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")
         vae_scale_factor = vae_scale_factor_for(model_dir)
         return cls(transformer.to(device).eval(), scheduler, device, dtype, vae_scale_factor)

@@ -73,13 +73,17 @@ class QwenImageEncoder:
         per_text = [h[m][drop:] for h, m in zip(hidden, mask, strict=True)]
         length = max(e.size(0) for e in per_text)
         embeds = torch.stack([torch.cat([e, e.new_zeros(length - e.size(0), e.size(1))]) for e in per_text])
-        embeds_mask = torch.stack([
-            torch.cat([
-                torch.ones(e.size(0), dtype=torch.long, device=e.device),
-                torch.zeros(length - e.size(0), dtype=torch.long, device=e.device),
-            ])
-            for e in per_text
-        ])
+        embeds_mask = torch.stack(
+            [
+                torch.cat(
+                    [
+                        torch.ones(e.size(0), dtype=torch.long, device=e.device),
+                        torch.zeros(length - e.size(0), dtype=torch.long, device=e.device),
+                    ]
+                )
+                for e in per_text
+            ]
+        )
         embeds = embeds[:, :max_sequence_length]
         embeds_mask = embeds_mask[:, :max_sequence_length]
         return embeds, (None if embeds_mask.all() else embeds_mask)

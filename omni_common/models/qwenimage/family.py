@@ -36,9 +36,7 @@ class QwenImageFamily:
     def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageEncoder:
         return QwenImageEncoder.load(Path(model_dir), device, dtype)
 
-    def load_denoiser(
-        self, model_dir: Path, device: torch.device, dtype: torch.dtype
-    ) -> QwenImageDenoiser:
+    def load_denoiser(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDenoiser:
         return QwenImageDenoiser.load(Path(model_dir), device, dtype)
 
     def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:

@@ -22,8 +22,12 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 from omni_common.models.qwenimage.encode import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP
 
 SPECIAL_TOKENS = [
-    "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 # Every word of the chat template and a few prompt words, so each becomes one token.
 _CORPUS = [
@@ -52,9 +56,7 @@ SCHEDULER_CONFIG = {
 def build_tokenizer() -> Qwen2Tokenizer:
     """A small Qwen2 byte-level BPE with the chat and vision special tokens."""
     base = Qwen2Tokenizer()  # empty vocab, Qwen2's pre-tokenizer; <|endoftext|> is pad/eos
-    tokenizer = base.train_new_from_iterator(
-        [_CORPUS], vocab_size=1024, new_special_tokens=SPECIAL_TOKENS
-    )
+    tokenizer = base.train_new_from_iterator([_CORPUS], vocab_size=1024, new_special_tokens=SPECIAL_TOKENS)
     prefix = PROMPT_TEMPLATE.split("{}")[0]
     n_prefix = len(tokenizer(prefix).input_ids)
     if n_prefix != PROMPT_TEMPLATE_DROP:  # the pipeline's hard-coded drop index relies on it
@@ -92,7 +94,10 @@ def build_text_encoder(
             "pad_token_id": ids("<|endoftext|>"),
         },
         vision_config={
-            "depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+            "depth": 2,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
             "out_hidden_size": hidden_size,
         },
         image_token_id=ids("<|image_pad|>"),

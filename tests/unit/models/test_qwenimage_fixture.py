@@ -49,8 +49,12 @@ def test_system_prefix_is_34_tokens(reference_pipeline) -> None:
 def test_vision_token_ids_exist_in_the_tokenizer(reference_pipeline) -> None:
     pipe = reference_pipeline(torch.float32)
     config, tokenizer = pipe.text_encoder.config, pipe.tokenizer
-    for token_id in (config.image_token_id, config.video_token_id,
-                     config.vision_start_token_id, config.vision_end_token_id):
+    for token_id in (
+        config.image_token_id,
+        config.video_token_id,
+        config.vision_start_token_id,
+        config.vision_end_token_id,
+    ):
         assert tokenizer.convert_ids_to_tokens(token_id).startswith("<|")
     assert config.text_config.vocab_size == len(tokenizer)
 

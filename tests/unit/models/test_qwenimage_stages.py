@@ -20,9 +20,7 @@ def test_single_prompt_has_no_mask(split_runners) -> None:
     assert tensors["prompt_embeds"].shape[0] == 1 and tensors["prompt_embeds"].shape[2] == 16
 
 
-def test_texts_of_different_lengths_get_a_mask_like_diffusers(
-    split_runners, reference_pipeline
-) -> None:
+def test_texts_of_different_lengths_get_a_mask_like_diffusers(split_runners, reference_pipeline) -> None:
     encoder = split_runners(torch.float32)[0]
     embeds, mask = encoder.encode_texts([SHORT, LONG], max_sequence_length=512)
     assert mask is not None and mask.dtype == torch.int64

@@ -1,0 +1,205 @@
+"""The lease table: a shared-memory segment `omnistage-<token>-leases` with fixed slots.
+
+Producers write slots under a seqlock (seq is odd while a slot is being written);
+consumers on the same host read them to check a ShmRef before and after copying.
+The header names the owner process so that a restart can sweep a dead owner's files.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omni_common.errors import InvalidArgument, ResourceExhausted
+
+from .arena import FILE_RE, close_map, create_segment, segment_path
+
+MAGIC = b"OMNILEAS"
+VERSION = 1
+# magic, version, capacity, owner pid, owner pid-namespace inode, owner start time (ticks)
+HEADER = struct.Struct("<8sIIQQQ")
+HEADER_BYTES = 64
+# seq, nonce, segment index, pad, offset, nbytes, generation, expires_at (time.time())
+SLOT = struct.Struct("<QQIIQQQd")
+SLOT_BYTES = 64
+SEQ = struct.Struct("<Q")
+CAPACITY = 4096
+
+LEASE_ID_RE = re.compile(r"([0-9a-f]{16})-(0|[1-9][0-9]{0,5})-([0-9a-f]{16})")
+
+
+@dataclass(frozen=True)
+class Slot:
+    seq: int
+    nonce: int
+    segment: int
+    offset: int
+    nbytes: int
+    generation: int
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class LeaseKey:
+    token: str
+    slot: int
+    nonce: int
+
+
+def parse_lease_id(lease_id: str) -> LeaseKey:
+    """Split a lease id; InvalidArgument when it is malformed (the id is not echoed)."""
+    m = LEASE_ID_RE.fullmatch(lease_id)
+    if m is None:
+        raise InvalidArgument("malformed lease id")
+    return LeaseKey(m.group(1), int(m.group(2)), int(m.group(3), 16))
+
+
+def format_lease_id(token: str, slot: int, nonce: int) -> str:
+    return f"{token}-{slot}-{nonce:016x}"
+
+
+def short(lease_id: str) -> str:
+    """A prefix of a lease id that is safe to log or put in an error."""
+    return lease_id[:8] + "…"
+
+
+def read_slot(buf: mmap.mmap, slot: int) -> Slot:
+    """A consistent snapshot of one slot (seqlock read)."""
+    base = HEADER_BYTES + slot * SLOT_BYTES
+    while True:
+        fields = SLOT.unpack_from(buf, base)
+        if fields[0] % 2 == 0 and SEQ.unpack_from(buf, base)[0] == fields[0]:
+            seq, nonce, seg, _, off, n, gen, exp = fields
+            return Slot(seq, nonce, seg, off, n, gen, exp)
+        time.sleep(0)
+
+
+def read_seq(buf: mmap.mmap, slot: int) -> int:
+    return int(SEQ.unpack_from(buf, HEADER_BYTES + slot * SLOT_BYTES)[0])
+
+
+def capacity_of(buf: mmap.mmap) -> int | None:
+    """The slot count of a mapped table, None if the header is not ours."""
+    if len(buf) < HEADER_BYTES:
+        return None
+    magic, version, capacity, *_ = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION or len(buf) < HEADER_BYTES + capacity * SLOT_BYTES:
+        return None
+    return int(capacity)
+
+
+def _start_time(pid: int) -> int:
+    """Start time of a process in clock ticks (0 when unknown); tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+class LeaseTable:
+    """The producer's side: allocates, writes and clears slots. Not locked: callers lock."""
+
+    def __init__(self, shm_dir: Path, token: str, capacity: int = CAPACITY) -> None:
+        self.token = token
+        self.capacity = capacity
+        self.path = segment_path(shm_dir, token, "leases")
+        self.mm = create_segment(self.path, HEADER_BYTES + capacity * SLOT_BYTES)
+        pid = os.getpid()
+        HEADER.pack_into(self.mm, 0, MAGIC, VERSION, capacity, pid, _pid_ns(), _start_time(pid))
+        self._free = list(range(capacity - 1, -1, -1))
+        self._seq = [0] * capacity
+
+    def add(self, segment: int, offset: int, nbytes: int, generation: int, ttl_s: float) -> str:
+        """Write a new lease; ResourceExhausted when every slot is taken."""
+        if not self._free:
+            raise ResourceExhausted("too many live tensor leases; release some first")
+        slot = self._free.pop()
+        nonce = secrets.randbits(64) or 1
+        self._write(slot, nonce, segment, offset, nbytes, generation, time.time() + ttl_s)
+        return format_lease_id(self.token, slot, nonce)
+
+    def clear(self, slot: int) -> None:
+        self._write(slot, 0, 0, 0, 0, 0, 0.0)
+        self._free.append(slot)
+
+    def _write(self, slot: int, nonce: int, seg: int, off: int, n: int, gen: int, exp: float) -> None:
+        base = HEADER_BYTES + slot * SLOT_BYTES
+        seq = self._seq[slot] + 1
+        SEQ.pack_into(self.mm, base, seq)  # odd: readers retry
+        SLOT.pack_into(self.mm, base, seq, nonce, seg, 0, off, n, gen, exp)
+        SEQ.pack_into(self.mm, base, seq + 1)
+        self._seq[slot] = seq + 1
+
+    def close(self) -> None:
+        close_map(self.mm)
+        self.path.unlink(missing_ok=True)
+
+
+def _owner_is_dead(header: bytes) -> bool:
+    magic, version, _, pid, pid_ns, start = HEADER.unpack_from(header, 0)
+    if magic != MAGIC or version != VERSION or pid <= 0:
+        return False  # not ours or still being written: leave it
+    if pid_ns != _pid_ns():
+        return False  # another pid namespace: its pids mean nothing here
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return bool(start) and _start_time(pid) not in (0, start)  # pid reused by someone else
+
+
+def sweep_stale_segments(shm_dir: Path | str = "/dev/shm") -> int:
+    """Unlink the segments of omnistage processes that are gone; returns how many files.
+
+    Only files whose lease table names a dead owner are touched; live processes' files and
+    files without a readable table are left alone.
+    """
+    root = Path(shm_dir)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    by_token: dict[str, list[str]] = {}
+    for name in names:
+        m = FILE_RE.fullmatch(name)
+        if m:
+            by_token.setdefault(m.group(1), []).append(name)
+    removed = 0
+    for token, files in by_token.items():
+        table = f"omnistage-{token}-leases"
+        if table not in files:
+            continue
+        try:
+            fd = os.open(root / table, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                header = os.pread(fd, HEADER.size, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue
+        if len(header) < HEADER.size or not _owner_is_dead(header):
+            continue
+        for name in sorted(files, key=lambda n: n.endswith("-leases")):  # table last
+            try:
+                os.unlink(root / name)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed

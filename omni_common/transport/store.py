@@ -1,0 +1,115 @@
+"""TensorStore: the cross-host data path (chunked Fetch) and lease release, over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+import numpy as np
+import torch
+
+from omni_common.errors import InvalidArgument, OmniError, error_from_rpc
+from omni_common.runtime.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES, aio_channel
+from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
+
+from .codec import check_header, empty_for
+from .leases import parse_lease_id
+from .transport import TensorTransport
+
+# Room for the chunk's own framing under the message limit.
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
+
+
+class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
+    """Serves the leases of one TensorTransport."""
+
+    def __init__(self, transport: TensorTransport) -> None:
+        self.transport = transport
+
+    async def Fetch(
+        self, request: tensor_pb2.FetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tensor_pb2.TensorChunk]:
+        chunk = min(request.chunk_bytes or CHUNK_BYTES, MAX_CHUNK_BYTES)
+        try:
+            nbytes = self.transport.lease_nbytes(request.lease_id)
+        except OmniError as e:
+            await context.abort(e.code, e.message)
+            return
+        offset = 0
+        while offset < nbytes:
+            try:
+                # Each read checks the lease again: a release mid-stream ends the stream.
+                data = self.transport.read_lease(request.lease_id, offset, chunk)
+            except OmniError as e:
+                await context.abort(grpc.StatusCode.ABORTED, f"lease ended while reading: {e}")
+                return
+            yield tensor_pb2.TensorChunk(offset=offset, data=data)
+            offset += len(data)
+
+    async def Release(
+        self, request: tensor_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> tensor_pb2.ReleaseResponse:
+        return tensor_pb2.ReleaseResponse(released=self.transport.release(request.lease_ids))
+
+
+def add_tensor_store(server: grpc.aio.Server, transport: TensorTransport) -> None:
+    """Serve `transport`'s leases on `server`."""
+    tensor_pb2_grpc.add_TensorStoreServicer_to_server(TensorStoreServicer(transport), server)
+
+
+# Channels belong to the event loop that made them; keep one per (loop, address).
+_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, grpc.aio.Channel]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _stub(address: str) -> tensor_pb2_grpc.TensorStoreStub:
+    per_loop = _channels.setdefault(asyncio.get_running_loop(), {})
+    channel = per_loop.get(address)
+    if channel is None:
+        channel = per_loop[address] = aio_channel(address)
+    return tensor_pb2_grpc.TensorStoreStub(channel)
+
+
+async def fetch_remote(
+    ref: tensor_pb2.TensorRef, max_tensor_bytes: int, chunk_bytes: int = CHUNK_BYTES
+) -> torch.Tensor:
+    """Pull the tensor behind a RemoteRef from its producer into a fresh tensor."""
+    dtype, shape = check_header(ref, max_tensor_bytes)
+    parse_lease_id(ref.remote.lease_id)
+    if not ref.remote.producer_address:
+        raise InvalidArgument(f"tensor {ref.name!r}: remote ref without a producer address")
+    t, dst = empty_for(dtype, shape)
+    stub = _stub(ref.remote.producer_address)
+    request = tensor_pb2.FetchRequest(lease_id=ref.remote.lease_id, chunk_bytes=chunk_bytes)
+    received = 0
+    try:
+        async for chunk in stub.Fetch(request):
+            end = received + len(chunk.data)
+            if chunk.offset != received or end > ref.nbytes:
+                raise OmniError(
+                    f"tensor {ref.name!r}: producer sent a chunk out of place",
+                    grpc.StatusCode.DATA_LOSS,
+                )
+            dst[received:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+            received = end
+    except grpc.aio.AioRpcError as e:
+        raise error_from_rpc(e) from None
+    if received != ref.nbytes:
+        raise OmniError(
+            f"tensor {ref.name!r}: producer sent {received} of {ref.nbytes} bytes",
+            grpc.StatusCode.DATA_LOSS,
+        )
+    return t
+
+
+async def release_remote(address: str, lease_ids: list[str]) -> int:
+    """Ask the producer at `address` to release leases; returns how many were live."""
+    try:
+        reply = await _stub(address).Release(tensor_pb2.ReleaseRequest(lease_ids=lease_ids))
+    except grpc.aio.AioRpcError as e:
+        raise error_from_rpc(e) from None
+    return int(reply.released)

@@ -1,0 +1,322 @@
+"""TensorTransport: one per process; turns tensors into TensorRefs and back.
+
+Small tensors travel inline; larger ones are copied into this process's shm arena under
+a lease and handed out as a ShmRef (same host) or a RemoteRef (other hosts fetch them
+from our TensorStore). Imports always copy into a fresh tensor the caller owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+
+from omni_common.errors import (
+    InvalidArgument,
+    NotFound,
+    OmniError,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
+from omnistage.v1 import tensor_pb2
+
+from .arena import ShmArena
+from .codec import byte_array, copy_bytes, decode_inline, dtype_name, encode_inline, host_contiguous
+from .leases import LeaseKey, LeaseTable, parse_lease_id, short, sweep_stale_segments
+from .peers import PeerMaps, import_shm
+
+# Above this size an import runs in a worker thread so the event loop keeps serving.
+_THREAD_COPY_BYTES = 4 << 20
+
+
+def host_id_default() -> str:
+    """Id of the shared-memory domain: same id means ShmRefs can be mapped.
+
+    OMNISTAGE_HOST_ID wins; otherwise a hash of the machine id (or hostname) and the IPC
+    namespace, so two containers on one machine without a shared /dev/shm differ.
+    """
+    env = os.environ.get("OMNISTAGE_HOST_ID")
+    if env:
+        return env
+    try:
+        machine = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine = ""
+    try:
+        ipc = os.stat("/proc/self/ns/ipc").st_ino
+    except OSError:
+        ipc = 0
+    raw = f"{machine or socket.gethostname()}:{ipc}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Lease:
+    nonce: int
+    segment: int
+    offset: int
+    nbytes: int
+    generation: int
+    expires_at: float
+
+
+class TensorTransport:
+    """One per process. Owns the process's shm arena + lease table."""
+
+    def __init__(
+        self,
+        *,
+        address: str = "",
+        host_id: str | None = None,
+        shm_dir: Path | str = "/dev/shm",
+        segment_bytes: int = 256 << 20,
+        lease_ttl_s: float = 600.0,
+        inline_threshold: int = 64 << 10,
+        max_tensor_bytes: int = 4 << 30,
+    ) -> None:
+        self.address = address
+        self.host_id = host_id or host_id_default()
+        self.shm_dir = Path(shm_dir)
+        self.lease_ttl_s = lease_ttl_s
+        self.inline_threshold = inline_threshold
+        self.max_tensor_bytes = max_tensor_bytes
+        self.token = secrets.token_hex(8)
+        sweep_stale_segments(self.shm_dir)
+        self._arena = ShmArena(self.shm_dir, self.token, segment_bytes)
+        self._table: LeaseTable | None = None  # made on the first shm export
+        self._leases: dict[int, Lease] = {}
+        self._generation = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self._peers = PeerMaps(self.shm_dir)
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        atexit.register(self.close)
+
+    # ---- producer side ---------------------------------------------------------------
+
+    def export(self, name: str, tensor: torch.Tensor, *, consumer_host_id: str = "") -> tensor_pb2.TensorRef:
+        """A TensorRef for `tensor`: inline when small, else a leased copy in the arena."""
+        t = host_contiguous(tensor)
+        dtype = dtype_name(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= self.inline_threshold:
+            return encode_inline(name, t)
+        if nbytes > self.max_tensor_bytes:
+            raise ResourceExhausted(
+                f"tensor {name!r}: {nbytes} bytes exceeds the limit of {self.max_tensor_bytes}"
+            )
+        remote = consumer_host_id not in ("", self.host_id)
+        if remote and not self.address:
+            raise OmniError(
+                "this process has no TensorStore address for remote consumers",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        segment, offset = self._arena.allocate(nbytes)
+        try:
+            # Copy outside the lock: the region is ours until a lease names it.
+            dst = np.frombuffer(self._arena.view(segment), np.uint8, nbytes, offset)
+            copy_bytes(dst, byte_array(t))
+            del dst
+            with self._lock:
+                table = self._open_table()
+                self._generation += 1
+                lease_id = table.add(segment, offset, nbytes, self._generation, self.lease_ttl_s)
+                key = parse_lease_id(lease_id)
+                self._leases[key.slot] = Lease(
+                    key.nonce,
+                    segment,
+                    offset,
+                    nbytes,
+                    self._generation,
+                    time.time() + self.lease_ttl_s,
+                )
+                generation = self._generation
+        except BaseException:
+            self._arena.free(segment, offset, nbytes)
+            raise
+        ref = tensor_pb2.TensorRef(name=name, dtype=dtype, shape=list(t.shape), nbytes=nbytes)
+        if remote:
+            ref.remote.producer_address = self.address
+            ref.remote.lease_id = lease_id
+        else:
+            ref.shm.arena_id = f"{self.token}-{segment}"
+            ref.shm.offset = offset
+            ref.shm.nbytes = nbytes
+            ref.shm.lease_id = lease_id
+            ref.shm.generation = generation
+        return ref
+
+    def export_state(
+        self, tensors: dict[str, torch.Tensor], meta: dict[str, str], *, consumer_host_id: str = ""
+    ) -> tensor_pb2.StageState:
+        """Export every tensor; on failure the leases already made are released."""
+        state = tensor_pb2.StageState(meta=meta)
+        try:
+            for name, tensor in tensors.items():
+                state.tensors.append(self.export(name, tensor, consumer_host_id=consumer_host_id))
+        except BaseException:
+            self.release(self.lease_ids(state))
+            raise
+        return state
+
+    def release(self, lease_ids: Iterable[str]) -> int:
+        """Free this process's leases among `lease_ids`; unknown ones are ignored."""
+        released = 0
+        for lease_id in lease_ids:
+            try:
+                key = parse_lease_id(lease_id)
+            except InvalidArgument:
+                continue
+            if key.token == self.token and self._free(key):
+                released += 1
+        return released
+
+    def live_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def read_lease(self, lease_id: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset+length) of a live lease (TensorStore.Fetch uses this)."""
+        key = parse_lease_id(lease_id)
+        with self._lock:
+            lease = self._live(key)
+            if lease is None:
+                raise NotFound(f"lease {short(lease_id)} not found or expired")
+            end = min(lease.nbytes, offset + length)
+            start = lease.offset + offset
+            return self._arena.view(lease.segment)[start : lease.offset + end]
+
+    def lease_nbytes(self, lease_id: str) -> int:
+        """Size of a live lease; NotFound when unknown or expired."""
+        key = parse_lease_id(lease_id)
+        with self._lock:
+            lease = self._live(key)
+            if lease is None:
+                raise NotFound(f"lease {short(lease_id)} not found or expired")
+            return lease.nbytes
+
+    def close(self) -> None:
+        """Release everything and unlink this process's segments (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            self._leases.clear()
+            if self._table is not None:
+                self._table.close()
+            self._arena.close()
+            self._peers.close()
+        atexit.unregister(self.close)
+
+    # ---- consumer side ---------------------------------------------------------------
+
+    def import_tensor_sync(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
+        """A fresh tensor from an inline or shm TensorRef (no network)."""
+        kind = ref.WhichOneof("location")
+        if kind == "inline_data" or (kind is None and ref.nbytes == 0):
+            return decode_inline(ref, self.max_tensor_bytes)
+        if kind == "shm":
+            return import_shm(ref, self._peers, self.max_tensor_bytes)
+        if kind == "cuda_ipc":
+            raise Unimplemented(f"tensor {ref.name!r}: CUDA IPC handles are not supported yet")
+        if kind == "remote":
+            raise InvalidArgument(f"tensor {ref.name!r}: a remote tensor needs import_state")
+        raise InvalidArgument(f"tensor {ref.name!r}: no location")
+
+    async def import_state(
+        self, state: tensor_pb2.StageState
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Decode every TensorRef of a state into tensors this process owns."""
+        from .store import fetch_remote  # store imports this module
+
+        names = [ref.name for ref in state.tensors]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("duplicate tensor names in stage state")
+
+        async def one(ref: tensor_pb2.TensorRef) -> torch.Tensor:
+            if ref.WhichOneof("location") == "remote":
+                return await fetch_remote(ref, self.max_tensor_bytes)
+            if ref.nbytes >= _THREAD_COPY_BYTES:
+                return await asyncio.to_thread(self.import_tensor_sync, ref)
+            return self.import_tensor_sync(ref)
+
+        tensors = await asyncio.gather(*(one(ref) for ref in state.tensors))
+        return dict(zip(names, tensors, strict=True)), dict(state.meta)
+
+    @staticmethod
+    def lease_ids(state: tensor_pb2.StageState) -> list[str]:
+        """Leases named in a state (what the coordinator releases when a request ends)."""
+        out = []
+        for ref in state.tensors:
+            kind = ref.WhichOneof("location")
+            if kind == "shm":
+                out.append(ref.shm.lease_id)
+            elif kind == "remote":
+                out.append(ref.remote.lease_id)
+            elif kind == "cuda_ipc":
+                out.append(ref.cuda_ipc.lease_id)
+        return out
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _open_table(self) -> LeaseTable:
+        if self._closed:
+            raise Unavailable("tensor transport is closed")
+        if self._table is None:
+            self._table = LeaseTable(self.shm_dir, self.token)
+            self._reaper = threading.Thread(
+                target=self._reap_loop, daemon=True, name="omnistage-lease-reaper"
+            )
+            self._reaper.start()
+        return self._table
+
+    def _live(self, key: LeaseKey) -> Lease | None:
+        if key.token != self.token:
+            return None
+        lease = self._leases.get(key.slot)
+        if lease is None or lease.nonce != key.nonce or lease.expires_at <= time.time():
+            return None
+        return lease
+
+    def _free(self, key: LeaseKey) -> bool:
+        with self._lock:
+            lease = self._leases.get(key.slot)
+            if lease is None or lease.nonce != key.nonce:
+                return False
+            self._drop(key.slot, lease)
+            return True
+
+    def _drop(self, slot: int, lease: Lease) -> None:
+        del self._leases[slot]
+        if self._table is not None:
+            self._table.clear(slot)
+        self._arena.free(lease.segment, lease.offset, lease.nbytes)
+
+    def reap(self) -> int:
+        """Free expired leases now; returns how many."""
+        now = time.time()
+        with self._lock:
+            expired = [(s, lease) for s, lease in self._leases.items() if lease.expires_at <= now]
+            for slot, lease in expired:
+                self._drop(slot, lease)
+        return len(expired)
+
+    def _reap_loop(self) -> None:
+        interval = min(max(self.lease_ttl_s / 4, 0.05), 5.0)
+        while not self._stop.wait(interval):
+            self.reap()
