@@ -17,16 +17,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import grpc
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a plain script
 
 from omni_common.runtime.rpc import aio_channel, aio_server
 from omni_common.transport import (

@@ -92,6 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
                 guidance=args.guidance,
                 seed=args.seed,
                 model=args.model,
+                image_format="png",
             ):
                 builder.add(event)
                 if event.HasField("step"):
@@ -103,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
             return 1
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(result.png)
+    out.write_bytes(result.encoded)
     stages = ", ".join(f"{k} {v:.0f} ms" for k, v in result.stage_ms.items())
     print(
         f"saved {out.resolve()} ({result.image.width}x{result.image.height}, "

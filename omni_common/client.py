@@ -43,8 +43,13 @@ def generate_request(
     request_id: str = "",
     return_tensor: bool = False,
     progress_every: int = 1,
+    image_format: str = "rgb8",
 ) -> cpb.GenerateRequest:
-    """The GenerateRequest for these arguments (guidance is diffusers' true_cfg_scale)."""
+    """The GenerateRequest for these arguments (guidance is diffusers' true_cfg_scale;
+    image_format "rgb8" sends raw pixels, "png" a PNG file)."""
+    formats = {"png": cpb.IMAGE_FORMAT_PNG, "rgb8": cpb.IMAGE_FORMAT_RGB8}
+    if image_format not in formats:
+        raise ValueError(f"image_format must be one of {sorted(formats)}, not {image_format!r}")
     params = stage_pb2.GenerationParams(
         model=model,
         prompt=prompt,
@@ -57,20 +62,31 @@ def generate_request(
         max_sequence_length=max_sequence_length,
     )
     return cpb.GenerateRequest(
-        params=params, request_id=request_id, return_tensor=return_tensor, progress_every=progress_every
+        params=params,
+        request_id=request_id,
+        return_tensor=return_tensor,
+        progress_every=progress_every,
+        image_format=formats[image_format],
     )
 
 
 @dataclass
 class GenerationResult:
-    """A finished generation: the image, its PNG bytes, the raw tensor if asked for, timings."""
+    """A finished generation: the image, its wire bytes (PNG file or raw RGB8), the float
+    tensor if asked for, and timings."""
 
     image: Image.Image
-    png: bytes
+    encoded: bytes
     request_id: str
     total_ms: float
     stage_ms: dict[str, float] = field(default_factory=dict)
+    compute_ms: dict[str, float] = field(default_factory=dict)
     tensor: np.ndarray | None = None
+
+    @property
+    def overhead_ms(self) -> float:
+        """Time not spent inside a stage's model code: RPCs, transport, queueing, PNG."""
+        return self.total_ms - sum(self.compute_ms.values())
 
 
 class ResultBuilder:
@@ -79,6 +95,7 @@ class ResultBuilder:
     def __init__(self) -> None:
         self.request_id = ""
         self.stage_ms: dict[str, float] = {}
+        self.compute_ms: dict[str, float] = {}
         self.raw = bytearray()
         self.result: cpb.Result | None = None
 
@@ -88,6 +105,7 @@ class ResultBuilder:
             self.request_id = event.accepted.request_id
         elif kind == "stage_finished":
             self.stage_ms[event.stage_finished.stage] = event.stage_finished.wall_ms
+            self.compute_ms[event.stage_finished.stage] = event.stage_finished.compute_ms
         elif kind == "raw_chunk":
             if event.raw_chunk.offset != len(self.raw):
                 raise OmniError("raw tensor chunks arrived out of order", grpc.StatusCode.DATA_LOSS)
@@ -98,8 +116,15 @@ class ResultBuilder:
     def build(self) -> GenerationResult:
         if self.result is None:
             raise OmniError("the stream ended without a result", grpc.StatusCode.DATA_LOSS)
-        image = Image.open(io.BytesIO(self.result.png))
-        image.load()
+        encoded = self.result.image
+        if self.result.image_format == cpb.IMAGE_FORMAT_RGB8:
+            size = (self.result.width, self.result.height)
+            if len(encoded) != size[0] * size[1] * 3:
+                raise OmniError("raw image has the wrong size", grpc.StatusCode.DATA_LOSS)
+            image = Image.frombytes("RGB", size, encoded)
+        else:
+            image = Image.open(io.BytesIO(encoded))
+            image.load()
         tensor = None
         if self.result.HasField("tensor"):
             ref = self.result.tensor
@@ -108,10 +133,11 @@ class ResultBuilder:
             tensor = np.frombuffer(bytes(self.raw), dtype=np.dtype(ref.dtype)).reshape(tuple(ref.shape))
         return GenerationResult(
             image=image,
-            png=self.result.png,
+            encoded=encoded,
             request_id=self.request_id,
             total_ms=self.result.total_ms,
             stage_ms=self.stage_ms,
+            compute_ms=self.compute_ms,
             tensor=tensor,
         )
 

@@ -40,8 +40,10 @@ class StageWorker(Protocol):
     def validate(self, request: GenerationRequest) -> None: ...
 
     def run(
-        self, request: GenerationRequest, inputs: StageState, progress_every: int
-    ) -> AsyncIterator[stage_pb2.StepProgress | StageState]: ...
+        self, request: GenerationRequest, inputs: StageState, progress_every: int, outputs: frozenset[str]
+    ) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+        """Progress events, then one StageState holding at least `outputs` (all when empty)."""
+        ...
 
 
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -49,6 +51,16 @@ def check_finite(tensors: dict[str, torch.Tensor]) -> None:
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise InvalidArgument(f"input tensor {name!r} contains NaN or Inf")
+
+
+def _select(tensors: dict[str, torch.Tensor], wanted: frozenset[str], stage: str) -> dict[str, torch.Tensor]:
+    """The tensors the caller asked for (all of them when it named none)."""
+    if not wanted:
+        return tensors
+    missing = wanted - tensors.keys()
+    if missing:
+        raise InvalidArgument(f"{stage} has no output named {sorted(missing)[0][:50]!r}")
+    return {name: tensors[name] for name in wanted}
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -100,13 +112,17 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             tensors, meta = await self.transport.import_state(request.input)
             check_finite(tensors)
             started = time.perf_counter()
-            async for item in self.worker.run(gen, StageState(tensors, meta), request.progress_every):
+            outputs = frozenset(request.outputs)
+            runs = self.worker.run(gen, StageState(tensors, meta), request.progress_every, outputs)
+            async for item in runs:
                 if isinstance(item, stage_pb2.StepProgress):
                     yield stage_pb2.StageEvent(step=item)
                     continue
                 compute_ms = (time.perf_counter() - started) * 1e3
                 output = self.transport.export_state(
-                    item.tensors, item.meta, consumer_host_id=request.consumer_host_id
+                    _select(item.tensors, outputs, self.worker.stage),
+                    item.meta,
+                    consumer_host_id=request.consumer_host_id,
                 )
                 try:
                     yield stage_pb2.StageEvent(

@@ -1,6 +1,7 @@
 from omnistage.v1 import stage_pb2 as _stage_pb2
 from omnistage.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,17 +9,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    IMAGE_FORMAT_PNG: _ClassVar[ImageFormat]
+    IMAGE_FORMAT_RGB8: _ClassVar[ImageFormat]
+IMAGE_FORMAT_PNG: ImageFormat
+IMAGE_FORMAT_RGB8: ImageFormat
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("params", "request_id", "return_tensor", "progress_every")
+    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_TENSOR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     params: _stage_pb2.GenerationParams
     request_id: str
     return_tensor: bool
     progress_every: int
-    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ...) -> None: ...
+    image_format: ImageFormat
+    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id",)
@@ -61,18 +71,20 @@ class RawChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("png", "width", "height", "tensor", "total_ms")
-    PNG_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("image", "width", "height", "tensor", "total_ms", "image_format")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
-    png: bytes
+    IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
     width: int
     height: int
     tensor: _tensor_pb2.TensorRef
     total_ms: float
-    def __init__(self, png: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    image_format: ImageFormat
+    def __init__(self, image: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")

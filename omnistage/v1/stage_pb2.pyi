@@ -1,7 +1,8 @@
 from omnistage.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -29,18 +30,20 @@ class GenerationParams(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every")
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: GenerationParams
     input: _tensor_pb2.StageState
     consumer_host_id: str
     progress_every: int
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepProgress(_message.Message):
     __slots__ = ("step", "total", "step_ms")

@@ -19,7 +19,7 @@ class EncoderWorker(Worker):
         self.family.validate(request)
 
     async def run(
-        self, request: GenerationRequest, inputs: StageState, progress_every: int
+        self, request: GenerationRequest, inputs: StageState, progress_every: int, outputs: frozenset[str]
     ) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
         (state,) = await self.compute(self.runner.encode, [request])
         yield state

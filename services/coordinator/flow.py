@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 import grpc
 import torch
@@ -29,7 +30,13 @@ Emit = Callable[[cpb.GenerateEvent], Awaitable[None]]
 
 
 class Leases:
-    """Leases a request holds, per producer address."""
+    """Leases a request holds, per producer address.
+
+    Releases run in the background: they free memory but nothing waits on them, so they
+    stay off the request's critical path. A producer that is gone lets its leases expire.
+    """
+
+    _pending: ClassVar[set[asyncio.Task[None]]] = set()
 
     def __init__(self, transport: TensorTransport) -> None:
         self.transport = transport
@@ -38,17 +45,23 @@ class Leases:
     def add(self, producer: str, state: tensor_pb2.StageState) -> None:
         self.held.setdefault(producer, []).extend(self.transport.lease_ids(state))
 
-    async def release(self, producer: str) -> None:
+    def release(self, producer: str) -> None:
         lease_ids = self.held.pop(producer, [])
-        if not lease_ids:
-            return
-        try:
-            await release_remote(producer, lease_ids)
-        except Exception as err:  # the producer may be gone; its leases expire by TTL
-            log.warning("could not release %d leases at %s: %s", len(lease_ids), producer, err)
+        if lease_ids:
+            task = asyncio.get_running_loop().create_task(_release(producer, lease_ids))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
 
-    async def release_all(self) -> None:
-        await asyncio.gather(*(self.release(producer) for producer in list(self.held)))
+    def release_all(self) -> None:
+        for producer in list(self.held):
+            self.release(producer)
+
+
+async def _release(producer: str, lease_ids: list[str]) -> None:
+    try:
+        await release_remote(producer, lease_ids)
+    except Exception as err:
+        log.warning("could not release %d leases at %s: %s", len(lease_ids), producer, err)
 
 
 class RequestFlow:
@@ -63,29 +76,45 @@ class RequestFlow:
         self,
         request_id: str,
         params: stage_pb2.GenerationParams,
-        *,
-        return_tensor: bool,
-        progress_every: int,
+        options: cpb.GenerateRequest,
         emit: Emit,
     ) -> None:
+        """Run one validated request; `options` gives the result's format and progress rate."""
         started = time.perf_counter()
         leases = Leases(self.transport)
         encoder = self.pool.pick("ar-encoder", params.model)
         denoiser = self.pool.pick("dit-denoise", params.model)
         decoder = self.pool.pick("vae-decode", params.model)
+        image_output = "rgb8" if options.image_format == cpb.IMAGE_FORMAT_RGB8 else "png"
         try:
             embeds = await self._call(
                 encoder, request_id, params, tensor_pb2.StageState(), denoiser, emit, leases
             )
             latents = await self._call(
-                denoiser, request_id, params, embeds, decoder, emit, leases, progress_every
+                denoiser,
+                request_id,
+                params,
+                embeds,
+                decoder,
+                emit,
+                leases,
+                progress_every=options.progress_every,
             )
-            await leases.release(encoder.address)
-            decoded = await self._call(decoder, request_id, params, latents, None, emit, leases)
-            await leases.release(denoiser.address)
-            await self._send_result(decoded, return_tensor, started, emit)
+            leases.release(encoder.address)
+            decoded = await self._call(
+                decoder,
+                request_id,
+                params,
+                latents,
+                None,
+                emit,
+                leases,
+                outputs=[image_output, "image"] if options.return_tensor else [image_output],
+            )
+            leases.release(denoiser.address)
+            await self._send_result(decoded, image_output, options, started, emit)
         finally:
-            await leases.release_all()
+            leases.release_all()
 
     async def _call(
         self,
@@ -96,7 +125,9 @@ class RequestFlow:
         consumer: Replica | None,
         emit: Emit,
         leases: Leases,
+        *,
         progress_every: int = 0,
+        outputs: list[str] | None = None,
     ) -> tensor_pb2.StageState:
         """Run one stage; returns its output handles (their leases are booked in `leases`)."""
         consumer_host = consumer.info.host_id if consumer and consumer.info else self.transport.host_id
@@ -106,6 +137,7 @@ class RequestFlow:
             input=inputs,
             consumer_host_id=consumer_host,
             progress_every=progress_every,
+            outputs=outputs or [],
         )
         await emit(
             cpb.GenerateEvent(stage_started=cpb.StageStarted(stage=replica.stage, replica=replica.address))
@@ -142,22 +174,26 @@ class RequestFlow:
         return result.output
 
     async def _send_result(
-        self, decoded: tensor_pb2.StageState, return_tensor: bool, started: float, emit: Emit
+        self,
+        decoded: tensor_pb2.StageState,
+        image_output: str,
+        options: cpb.GenerateRequest,
+        started: float,
+        emit: Emit,
     ) -> None:
-        wanted = {"png", "image"} if return_tensor else {"png"}
-        refs = tensor_pb2.StageState(tensors=[t for t in decoded.tensors if t.name in wanted])
-        tensors, _ = await self.transport.import_state(refs)
+        tensors, _ = await self.transport.import_state(decoded)
         result = cpb.Result(
-            png=tensors["png"].numpy().tobytes(),
+            image=tensors[image_output].numpy().tobytes(),
+            image_format=options.image_format,
             width=int(decoded.meta.get("width", "0")),
             height=int(decoded.meta.get("height", "0")),
         )
-        if return_tensor:
-            raw = tensors["image"].contiguous().view(-1).view(torch.uint8).numpy()
+        if options.return_tensor:
+            image = tensors["image"].contiguous()
+            raw = image.view(-1).view(torch.uint8).numpy()
             for offset in range(0, raw.nbytes, CHUNK_BYTES):
                 chunk = raw[offset : offset + CHUNK_BYTES].tobytes()
                 await emit(cpb.GenerateEvent(raw_chunk=cpb.RawChunk(offset=offset, data=chunk)))
-            image = tensors["image"]
             result.tensor.CopyFrom(
                 tensor_pb2.TensorRef(
                     name="image",

@@ -87,13 +87,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         events: asyncio.Queue[cpb.GenerateEvent | None],
     ) -> None:
         try:
-            await self.flow.run(
-                request_id,
-                params,
-                return_tensor=request.return_tensor,
-                progress_every=request.progress_every,
-                emit=events.put,
-            )
+            await self.flow.run(request_id, params, request, events.put)
         finally:
             events.put_nowait(_DONE)
 

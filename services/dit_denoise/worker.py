@@ -25,7 +25,7 @@ class DenoiseWorker(Worker):
         self.family.validate(request)
 
     async def run(
-        self, request: GenerationRequest, inputs: StageState, progress_every: int
+        self, request: GenerationRequest, inputs: StageState, progress_every: int, outputs: frozenset[str]
     ) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
         if "prompt_embeds" not in inputs.tensors:
             raise InvalidArgument("dit-denoise needs a 'prompt_embeds' input tensor")

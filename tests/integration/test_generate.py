@@ -20,9 +20,17 @@ from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 SMALL = {"width": 64, "height": 64, "steps": 4, "seed": 3}
 
 
+def wait_until_no_leases(cluster, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Releases run in the background: give them a moment, then every lease must be gone."""
+    deadline = time.monotonic() + timeout_s
+    while any(cluster.live_leases().values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cluster.live_leases() == dict.fromkeys(cluster.live_leases(), 0)
+
+
 def test_events_arrive_in_order_and_end_with_a_png(cluster) -> None:  # type: ignore[no-untyped-def]
     with Client(cluster.coordinator) as client:
-        events = list(client.events("a cat", **SMALL))
+        events = list(client.events("a cat", image_format="png", **SMALL))
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds[0] == "accepted" and kinds[-1] == "result"
     started = [e.stage_started.stage for e in events if e.HasField("stage_started")]
@@ -30,18 +38,19 @@ def test_events_arrive_in_order_and_end_with_a_png(cluster) -> None:  # type: ig
     assert started == finished == ["ar-encoder", "dit-denoise", "vae-decode"]
     assert [e.step.step for e in events if e.HasField("step")] == [1, 2, 3, 4]
     result = events[-1].result
-    image = Image.open(io.BytesIO(result.png))
+    image = Image.open(io.BytesIO(result.image))
     assert image.size == (64, 64) and (result.width, result.height) == (64, 64)
-    assert cluster.live_leases() == dict.fromkeys(cluster.live_leases(), 0)
+    wait_until_no_leases(cluster)
 
 
-def test_same_seed_same_image_and_raw_tensor_matches_png(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_same_seed_same_image_in_every_format_and_raw_tensor_matches(cluster) -> None:  # type: ignore[no-untyped-def]
     with Client(cluster.coordinator) as client:
         first = client.generate_result("a dog", return_tensor=True, **SMALL)
-        second = client.generate_result("a dog", **SMALL)
+        second = client.generate_result("a dog", image_format="png", **SMALL)
         other = client.generate_result("a dog", **{**SMALL, "seed": 4})
-    assert first.png == second.png
-    assert first.png != other.png
+    assert second.encoded.startswith(b"\x89PNG")
+    assert first.encoded == np.asarray(second.image).tobytes()
+    assert first.encoded != other.encoded
     assert first.tensor is not None and first.tensor.shape == (3, 64, 64)
     pixels = (first.tensor.transpose(1, 2, 0) * 255).round().astype(np.uint8)
     assert np.array_equal(pixels, np.asarray(first.image))
@@ -182,10 +191,7 @@ def test_cancel_mid_denoise_stops_work_and_frees_every_lease(cluster) -> None:  
     thread.join(30)
     assert len(outcome) == 1 and isinstance(outcome[0], Cancelled)
     assert 2 <= max(steps_seen) < 500
-    deadline = time.monotonic() + 10
-    while any(cluster.live_leases().values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert cluster.live_leases() == dict.fromkeys(cluster.live_leases(), 0)
+    wait_until_no_leases(cluster)
     with Client(cluster.coordinator) as client:
         assert client.cancel(request_id) is False
 
@@ -197,7 +203,4 @@ def test_client_that_goes_away_frees_its_leases(cluster) -> None:  # type: ignor
             if event.HasField("step") and event.step.step == 2:
                 break
         events.close()  # cancels the call
-    deadline = time.monotonic() + 10
-    while any(cluster.live_leases().values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert cluster.live_leases() == dict.fromkeys(cluster.live_leases(), 0)
+    wait_until_no_leases(cluster)
