@@ -43,6 +43,7 @@ def generate_request(
     request_id: str = "",
     return_tensor: bool = False,
     progress_every: int = 1,
+    preview_every: int = 0,
     image_format: str = "rgb8",
 ) -> cpb.GenerateRequest:
     """The GenerateRequest for these arguments (guidance is diffusers' true_cfg_scale;
@@ -66,6 +67,7 @@ def generate_request(
         request_id=request_id,
         return_tensor=return_tensor,
         progress_every=progress_every,
+        preview_every=preview_every,
         image_format=formats[image_format],
     )
 

@@ -6,6 +6,7 @@ A message is written for a person and never holds a path, a key or a traceback.
 from __future__ import annotations
 
 import grpc
+import grpc.aio
 
 
 class OmniError(Exception):
@@ -33,7 +34,13 @@ class PermissionDenied(OmniError):
 
 
 class ResourceExhausted(OmniError):
+    """Over capacity or over a size limit; `retry_after_ms` is a hint when waiting helps."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class Unavailable(OmniError):
@@ -75,6 +82,14 @@ _BY_CODE: dict[grpc.StatusCode, type[OmniError]] = {
         AlreadyExists,
     )
 }
+
+
+async def abort(context: grpc.aio.ServicerContext, err: OmniError) -> None:
+    """End a call with `err`'s status; a retry hint travels as `retry-after-ms` metadata."""
+    retry_after_ms = getattr(err, "retry_after_ms", None)
+    if retry_after_ms is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(retry_after_ms)),))
+    await context.abort(err.code, err.message)
 
 
 def error_for_status(code: grpc.StatusCode, message: str) -> OmniError:

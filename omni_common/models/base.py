@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -75,6 +76,14 @@ class DenoiserRunner(Protocol):
         ...
 
     def is_done(self, state: DenoiseState) -> bool: ...
+
+    def is_finite(self, state: DenoiseState) -> bool:
+        """False when the state's latents hold NaN or Inf (the request must fail alone)."""
+        ...
+
+    def preview(self, state: DenoiseState) -> np.ndarray:
+        """A small uint8 [h, w, 3] picture of the current latents, cheap (no VAE)."""
+        ...
 
     def finish(self, state: DenoiseState) -> StageState:
         """The final latents (and their size metadata) for the decoder."""

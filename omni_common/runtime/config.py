@@ -33,6 +33,10 @@ class StageConfig:
     inline_bytes: int = 64 * 1024
     max_pixels: int = 4 * 1024 * 1024
     advertise_host: str = ""
+    max_batch: int = 8
+    max_queue: int = 64
+    batch_window_ms: float = 0.0
+    max_tokens: int = 65536
 
     @property
     def bind_address(self) -> str:
@@ -49,6 +53,7 @@ class CoordinatorConfig:
     shm_dir: str = "/dev/shm"
     stage_timeout_s: float = 600.0
     max_pixels: int = 4 * 1024 * 1024
+    max_in_flight: int = 256
 
     @property
     def bind_address(self) -> str:
@@ -88,6 +93,27 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="tensors up to this size travel inside the message, larger ones by handle",
     )
     parser.add_argument(
+        "--max-batch", type=int, default=int(env("MAX_BATCH", "8")), help="requests per forward"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(env("MAX_QUEUE", "64")),
+        help="requests waiting or running; more are refused with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=float(env("BATCH_WINDOW_MS", "0")),
+        help="encoder/VAE: wait this long for more requests before a forward (0 = none)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=int(env("MAX_TOKENS", "65536")),
+        help="dit-denoise: image tokens per forward, CFG counted twice",
+    )
+    parser.add_argument(
         "--advertise-host",
         default=env("ADVERTISE_HOST", ""),
         help="host name peers use to reach this replica (default: --host)",
@@ -109,6 +135,10 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         shm_dir=args.shm_dir,
         lease_ttl_s=args.lease_ttl,
         inline_bytes=args.inline_bytes,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        batch_window_ms=args.batch_window_ms,
+        max_tokens=args.max_tokens,
         max_pixels=args.max_pixels,
         advertise_host=args.advertise_host,
     )
@@ -124,6 +154,12 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
             help=f"comma-separated {stage} replica addresses (round robin)",
         )
     parser.add_argument("--stage-timeout", type=float, default=float(env("STAGE_TIMEOUT_S", "600")))
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=int(env("MAX_IN_FLIGHT", "256")),
+        help="requests in flight; more are refused with RESOURCE_EXHAUSTED",
+    )
 
 
 def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -141,4 +177,5 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         shm_dir=args.shm_dir,
         stage_timeout_s=args.stage_timeout,
         max_pixels=args.max_pixels,
+        max_in_flight=args.max_in_flight,
     )

@@ -16,10 +16,11 @@ from typing import Protocol
 import grpc
 import torch
 
-from omni_common.errors import InvalidArgument, NotFound, OmniError, Unavailable
+from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.serve import serve
+from omni_common.runtime.worker import StageCall
 from omni_common.transport import TensorTransport, add_tensor_store
 from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -39,10 +40,8 @@ class StageWorker(Protocol):
 
     def validate(self, request: GenerationRequest) -> None: ...
 
-    def run(
-        self, request: GenerationRequest, inputs: StageState, progress_every: int, outputs: frozenset[str]
-    ) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
-        """Progress events, then one StageState holding at least `outputs` (all when empty)."""
+    def run(self, call: StageCall) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+        """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
         ...
 
 
@@ -109,12 +108,23 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.worker.in_flight += 1
         try:
             gen = self._check(request)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"request {rid}: the deadline passed before {self.worker.stage}")
             tensors, meta = await self.transport.import_state(request.input)
             check_finite(tensors)
             started = time.perf_counter()
             outputs = frozenset(request.outputs)
-            runs = self.worker.run(gen, StageState(tensors, meta), request.progress_every, outputs)
-            async for item in runs:
+            call = StageCall(
+                request_id=rid,
+                request=gen,
+                inputs=StageState(tensors, meta),
+                outputs=outputs,
+                progress_every=request.progress_every,
+                preview_every=request.preview_every,
+                deadline=None if remaining is None else time.monotonic() + remaining,
+            )
+            async for item in self.worker.run(call):
                 if isinstance(item, stage_pb2.StepProgress):
                     yield stage_pb2.StageEvent(step=item)
                     continue
@@ -134,7 +144,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     raise
         except OmniError as err:
             log.info("request %s: %s %s", rid, err.code.name, err.message)
-            await context.abort(err.code, err.message)
+            await abort(context, err)
         except asyncio.CancelledError:
             log.info("request %s: cancelled by the caller", rid)
             raise

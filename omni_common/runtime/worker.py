@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from omni_common.models.base import ModelFamily
+from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.config import StageConfig
 
@@ -66,3 +68,20 @@ class Worker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One validated request to a stage, as its worker sees it."""
+
+    request_id: str
+    request: GenerationRequest
+    inputs: StageState
+    outputs: frozenset[str] = frozenset()
+    progress_every: int = 1
+    preview_every: int = 0
+    # time.monotonic() after which the caller no longer wants the result; None = no deadline.
+    deadline: float | None = None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline

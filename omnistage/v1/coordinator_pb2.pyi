@@ -17,18 +17,20 @@ IMAGE_FORMAT_PNG: ImageFormat
 IMAGE_FORMAT_RGB8: ImageFormat
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format")
+    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format", "preview_every")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_TENSOR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
     params: _stage_pb2.GenerationParams
     request_id: str
     return_tensor: bool
     progress_every: int
     image_format: ImageFormat
-    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ...) -> None: ...
+    preview_every: int
+    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id",)
@@ -55,12 +57,14 @@ class StageFinished(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., wall_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class DenoiseStep(_message.Message):
-    __slots__ = ("step", "total")
+    __slots__ = ("step", "total", "preview_png")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_PNG_FIELD_NUMBER: _ClassVar[int]
     step: int
     total: int
-    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+    preview_png: bytes
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., preview_png: _Optional[bytes] = ...) -> None: ...
 
 class RawChunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -30,30 +30,34 @@ class GenerationParams(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs")
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: GenerationParams
     input: _tensor_pb2.StageState
     consumer_host_id: str
     progress_every: int
     outputs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+    preview_every: int
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ...) -> None: ...
 
 class StepProgress(_message.Message):
-    __slots__ = ("step", "total", "step_ms")
+    __slots__ = ("step", "total", "step_ms", "preview_png")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_PNG_FIELD_NUMBER: _ClassVar[int]
     step: int
     total: int
     step_ms: float
-    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ...) -> None: ...
+    preview_png: bytes
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ..., preview_png: _Optional[bytes] = ...) -> None: ...
 
 class StageEvent(_message.Message):
     __slots__ = ("step", "result")

@@ -12,12 +12,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
 import torch
 
-from omni_common.errors import OmniError, Unavailable, error_from_rpc
+from omni_common.errors import DeadlineExceeded, OmniError, Unavailable, error_from_rpc
 from omni_common.runtime.rpc import CHUNK_BYTES
 from omni_common.transport import TensorTransport, release_remote
 from omnistage.v1 import coordinator_pb2 as cpb
@@ -64,6 +65,27 @@ async def _release(producer: str, lease_ids: list[str]) -> None:
         log.warning("could not release %d leases at %s: %s", len(lease_ids), producer, err)
 
 
+@dataclass
+class _Request:
+    """What every stage call of one request shares."""
+
+    request_id: str
+    params: stage_pb2.GenerationParams
+    options: cpb.GenerateRequest
+    deadline: float | None  # time.monotonic()
+    emit: Emit
+    leases: Leases
+
+    def timeout(self, stage_timeout_s: float) -> float:
+        """The stage call's timeout: the client's remaining time, capped by the stage limit."""
+        if self.deadline is None:
+            return stage_timeout_s
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"request {self.request_id}: the deadline passed")
+        return min(stage_timeout_s, remaining)
+
+
 class RequestFlow:
     """Runs requests over a ReplicaPool; one instance per coordinator."""
 
@@ -77,82 +99,64 @@ class RequestFlow:
         request_id: str,
         params: stage_pb2.GenerationParams,
         options: cpb.GenerateRequest,
+        deadline: float | None,
         emit: Emit,
     ) -> None:
-        """Run one validated request; `options` gives the result's format and progress rate."""
+        """Run one validated request; `options` gives the result's format and progress rate,
+        `deadline` (time.monotonic()) the client's deadline, which every stage call carries."""
         started = time.perf_counter()
-        leases = Leases(self.transport)
+        req = _Request(request_id, params, options, deadline, emit, Leases(self.transport))
         encoder = self.pool.pick("ar-encoder", params.model)
         denoiser = self.pool.pick("dit-denoise", params.model)
         decoder = self.pool.pick("vae-decode", params.model)
         image_output = "rgb8" if options.image_format == cpb.IMAGE_FORMAT_RGB8 else "png"
+        outputs = [image_output, "image"] if options.return_tensor else [image_output]
         try:
-            embeds = await self._call(
-                encoder, request_id, params, tensor_pb2.StageState(), denoiser, emit, leases
-            )
-            latents = await self._call(
-                denoiser,
-                request_id,
-                params,
-                embeds,
-                decoder,
-                emit,
-                leases,
-                progress_every=options.progress_every,
-            )
-            leases.release(encoder.address)
-            decoded = await self._call(
-                decoder,
-                request_id,
-                params,
-                latents,
-                None,
-                emit,
-                leases,
-                outputs=[image_output, "image"] if options.return_tensor else [image_output],
-            )
-            leases.release(denoiser.address)
+            embeds = await self._call(req, encoder, tensor_pb2.StageState(), consumer=denoiser)
+            latents = await self._call(req, denoiser, embeds, consumer=decoder)
+            req.leases.release(encoder.address)
+            decoded = await self._call(req, decoder, latents, consumer=None, outputs=outputs)
+            req.leases.release(denoiser.address)
             await self._send_result(decoded, image_output, options, started, emit)
         finally:
-            leases.release_all()
+            req.leases.release_all()
 
     async def _call(
         self,
+        req: _Request,
         replica: Replica,
-        request_id: str,
-        params: stage_pb2.GenerationParams,
         inputs: tensor_pb2.StageState,
-        consumer: Replica | None,
-        emit: Emit,
-        leases: Leases,
         *,
-        progress_every: int = 0,
+        consumer: Replica | None,
         outputs: list[str] | None = None,
     ) -> tensor_pb2.StageState:
-        """Run one stage; returns its output handles (their leases are booked in `leases`)."""
+        """Run one stage; returns its output handles (their leases are booked in req.leases)."""
         consumer_host = consumer.info.host_id if consumer and consumer.info else self.transport.host_id
         request = stage_pb2.StageRequest(
-            request_id=request_id,
-            params=params,
+            request_id=req.request_id,
+            params=req.params,
             input=inputs,
             consumer_host_id=consumer_host,
-            progress_every=progress_every,
+            progress_every=req.options.progress_every,
+            preview_every=req.options.preview_every,
             outputs=outputs or [],
         )
-        await emit(
+        timeout = req.timeout(self.stage_timeout_s)
+        await req.emit(
             cpb.GenerateEvent(stage_started=cpb.StageStarted(stage=replica.stage, replica=replica.address))
         )
         started = time.perf_counter()
         result: stage_pb2.StageResult | None = None
         try:
-            async for event in replica.stub.Run(request, timeout=self.stage_timeout_s):
+            async for event in replica.stub.Run(request, timeout=timeout):
                 if event.HasField("step"):
-                    await emit(
-                        cpb.GenerateEvent(step=cpb.DenoiseStep(step=event.step.step, total=event.step.total))
+                    step = cpb.DenoiseStep(
+                        step=event.step.step, total=event.step.total, preview_png=event.step.preview_png
                     )
+                    await req.emit(cpb.GenerateEvent(step=step))
                 elif event.HasField("result"):
                     result = event.result
-                    leases.add(replica.address, result.output)
+                    req.leases.add(replica.address, result.output)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_failed(replica)
@@ -162,15 +166,12 @@ class RequestFlow:
             raise error_from_rpc(err) from None
         if result is None:
             raise OmniError(f"{replica.stage} at {replica.address} ended without a result")
-        await emit(
-            cpb.GenerateEvent(
-                stage_finished=cpb.StageFinished(
-                    stage=replica.stage,
-                    wall_ms=(time.perf_counter() - started) * 1e3,
-                    compute_ms=result.compute_ms,
-                )
-            )
+        finished = cpb.StageFinished(
+            stage=replica.stage,
+            wall_ms=(time.perf_counter() - started) * 1e3,
+            compute_ms=result.compute_ms,
         )
+        await req.emit(cpb.GenerateEvent(stage_finished=finished))
         return result.output
 
     async def _send_result(

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from omni_common.errors import AlreadyExists, Cancelled, OmniError
+from omni_common.errors import AlreadyExists, Cancelled, OmniError, ResourceExhausted, abort
 from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.serve import run, serve
 from omni_common.transport import TensorTransport
@@ -34,9 +35,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.pool = pool
         self.flow = RequestFlow(pool, transport, config.stage_timeout_s)
         self.max_pixels = config.max_pixels
+        self.max_in_flight = config.max_in_flight
         self.in_flight: dict[str, asyncio.Task[None]] = {}
 
     def _accept(self, request: cpb.GenerateRequest) -> tuple[str, stage_pb2.GenerationParams]:
+        if len(self.in_flight) >= self.max_in_flight:
+            raise ResourceExhausted(
+                f"the coordinator has {len(self.in_flight)} requests in flight, its limit; "
+                "retry in a few seconds",
+                retry_after_ms=2000,
+            )
         request_id = request.request_id or secrets.token_hex(8)
         check_request_id(request_id)
         if request_id in self.in_flight:
@@ -52,10 +60,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             request_id, params = self._accept(request)
         except OmniError as err:
-            await context.abort(err.code, err.message)
+            await abort(context, err)
             return
         events: asyncio.Queue[cpb.GenerateEvent | None] = asyncio.Queue()
-        task = asyncio.create_task(self._run(request_id, params, request, events))
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        task = asyncio.create_task(self._run(request_id, params, request, deadline, events))
         self.in_flight[request_id] = task
         log.info(
             "request %s accepted: %dx%d, %d steps",
@@ -77,17 +87,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if error is not None:
             log.info("request %s failed: %s %s", request_id, error.code.name, error.message)
             yield cpb.GenerateEvent(error=cpb.Error(code=error.code.name, message=error.message))
-            await context.abort(error.code, error.message)
+            await abort(context, error)
 
     async def _run(
         self,
         request_id: str,
         params: stage_pb2.GenerationParams,
         request: cpb.GenerateRequest,
+        deadline: float | None,
         events: asyncio.Queue[cpb.GenerateEvent | None],
     ) -> None:
         try:
-            await self.flow.run(request_id, params, request, events.put)
+            await self.flow.run(request_id, params, request, deadline, events.put)
         finally:
             events.put_nowait(_DONE)
 

@@ -1,42 +1,42 @@
-"""dit-denoise worker: embeddings -> latents, one step at a time.
+"""dit-denoise worker: embeddings -> latents, with continuous step-level batching.
 
-Steps run one by one on the compute thread, so a cancelled request stops at the next
-step boundary and progress is reported per step.
+Requests join and leave the running batch between any two steps (StepScheduler), so a
+cancelled or expired request stops at the next step boundary.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.runtime.config import StageConfig
-from omni_common.runtime.worker import Worker
+from omni_common.runtime.worker import StageCall, Worker
 from omnistage.v1 import stage_pb2
+from services.dit_denoise.scheduler import StepScheduler
 
 
 class DenoiseWorker(Worker):
     def __init__(self, config: StageConfig) -> None:
         super().__init__(config)
         self.runner = self.family.load_denoiser(config.model_dir, self.device, self.dtype)
+        self.scheduler = StepScheduler(
+            self.runner,
+            self.compute,
+            max_batch=config.max_batch,
+            max_tokens=config.max_tokens,
+            max_queue=config.max_queue,
+        )
 
     def validate(self, request: GenerationRequest) -> None:
         self.family.validate(request)
 
-    async def run(
-        self, request: GenerationRequest, inputs: StageState, progress_every: int, outputs: frozenset[str]
-    ) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
-        if "prompt_embeds" not in inputs.tensors:
+    async def run(self, call: StageCall) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+        if "prompt_embeds" not in call.inputs.tensors:
             raise InvalidArgument("dit-denoise needs a 'prompt_embeds' input tensor")
-        state = await self.compute(self.runner.prepare, request, inputs)
-        every = max(progress_every, 1)
-        while not self.runner.is_done(state):
-            started = time.perf_counter()
-            await self.compute(self.runner.step, [state])
-            done = state.step_index
-            if done % every == 0 or done == state.total_steps:
-                yield stage_pb2.StepProgress(
-                    step=done, total=state.total_steps, step_ms=(time.perf_counter() - started) * 1e3
-                )
-        yield await self.compute(self.runner.finish, state)
+        async for event in self.scheduler.run(call):
+            yield event
+
+    def close(self) -> None:
+        self.scheduler.close()
+        super().close()

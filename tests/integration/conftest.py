@@ -26,6 +26,9 @@ WORKERS = {"ar-encoder": EncoderWorker, "dit-denoise": DenoiseWorker, "vae-decod
 class InProcessCluster:
     model_dir: Path
     dtype: str = "float32"
+    # Extra StageConfig fields per stage, e.g. {"dit-denoise": {"max_queue": 1}}.
+    stage_options: dict[str, dict[str, object]] = field(default_factory=dict)
+    coordinator_options: dict[str, object] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     transports: dict[str, TensorTransport] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
@@ -42,7 +45,8 @@ class InProcessCluster:
         self._thread.start()
         self._tasks = []
         for stage, worker in WORKERS.items():
-            config = StageConfig(stage=stage, model_dir=self.model_dir, dtype=self.dtype, port=0)
+            options = self.stage_options.get(stage, {})
+            config = StageConfig(stage=stage, model_dir=self.model_dir, dtype=self.dtype, port=0, **options)  # type: ignore[arg-type]
             # A low inline threshold sends every hop but the smallest through shared memory.
             transport = self.transports[stage] = TensorTransport(inline_threshold=1024)
             self._launch(
@@ -50,7 +54,7 @@ class InProcessCluster:
                 serve_stage(config, worker, ready=self._ready(stage), stop=self._stop, transport=transport),
             )
         replicas = {stage: [self.addresses[stage]] for stage in WORKERS}
-        config = CoordinatorConfig(replicas=replicas, port=0)
+        config = CoordinatorConfig(replicas=replicas, port=0, **self.coordinator_options)  # type: ignore[arg-type]
         transport = self.transports["coordinator"] = TensorTransport()
         self._launch(
             "coordinator",

@@ -69,6 +69,7 @@ BAD_REQUESTS = [
     ({"width": 4096, "height": 4096}, ResourceExhausted, "pixels"),
     ({"steps": 0}, InvalidArgument, "num_inference_steps"),
     ({"steps": 10**6}, InvalidArgument, "num_inference_steps"),
+    ({"steps": 1}, InvalidArgument, "at least 2"),  # diffusers itself returns NaN here
     ({"guidance": math.nan}, InvalidArgument, "true_cfg_scale"),
     ({"guidance": math.inf}, InvalidArgument, "true_cfg_scale"),
     ({"prompt": "x" * 100_000}, InvalidArgument, "prompt"),
@@ -94,7 +95,7 @@ def test_bad_requests_get_a_clear_status_and_the_service_stays_up(
         assert client.generate("a cat", **SMALL).size == (64, 64)
 
 
-def _stage_run(address: str, state: tensor_pb2.StageState) -> grpc.RpcError:
+def _stage_run(address: str, state: tensor_pb2.StageState, outputs: tuple[str, ...] = ()) -> grpc.RpcError:
     params = stage_pb2.GenerationParams(
         model="qwen-image-tiny",
         prompt="x",
@@ -104,7 +105,7 @@ def _stage_run(address: str, state: tensor_pb2.StageState) -> grpc.RpcError:
         true_cfg_scale=1.0,
         max_sequence_length=512,
     )
-    request = stage_pb2.StageRequest(request_id="forged", params=params, input=state)
+    request = stage_pb2.StageRequest(request_id="forged", params=params, input=state, outputs=outputs)
     with sync_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
         list(stage_pb2_grpc.StageStub(channel).Run(request, timeout=30))
     return caught.value
@@ -204,3 +205,15 @@ def test_client_that_goes_away_frees_its_leases(cluster) -> None:  # type: ignor
                 break
         events.close()  # cancels the call
     wait_until_no_leases(cluster)
+
+
+def test_unknown_stage_output_is_invalid_argument(cluster) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    producer = cluster.transports["dit-denoise"]
+    state = producer.export_state({"latents": torch.zeros(1, 64, 16)}, {"height": "64", "width": "64"})
+    try:
+        err = _stage_run(cluster.addresses["vae-decode"], state, outputs=("png", "jpeg"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "'jpeg'" in err.details()
+    finally:
+        producer.release(producer.lease_ids(state))

@@ -31,10 +31,21 @@ class QwenImageDecoder:
         return cls(vae.to(device).eval(), device)
 
     def decode(self, states: Sequence[StageState]) -> list[torch.Tensor]:
-        return [self._decode_one(state) for state in states]
+        """States of one size share a vae.decode call; sizes are decoded group by group and
+        the images come back in the order of `states`."""
+        checked = [self._checked(state) for state in states]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, (_, height, width) in enumerate(checked):
+            groups.setdefault((height, width), []).append(index)
+        images: list[torch.Tensor | None] = [None] * len(states)
+        for (height, width), indices in groups.items():
+            latents = torch.cat([checked[i][0] for i in indices])
+            for i, image in zip(indices, self._decode_group(latents, height, width), strict=True):
+                images[i] = image
+        return [image for image in images if image is not None]
 
-    @torch.inference_mode()
-    def _decode_one(self, state: StageState) -> torch.Tensor:
+    def _checked(self, state: StageState) -> tuple[torch.Tensor, int, int]:
+        """(packed latents [1, seq, C] on the device, height, width) of a valid state."""
         try:
             latents = state.tensors["latents"].to(self.device)
             height, width = int(state.meta["height"]), int(state.meta["width"])
@@ -46,6 +57,11 @@ class QwenImageDecoder:
             raise InvalidArgument(
                 f"latents of shape {tuple(latents.shape)} do not fit a {width}x{height} image"
             )
+        return latents, height, width
+
+    @torch.inference_mode()
+    def _decode_group(self, latents: torch.Tensor, height: int, width: int) -> list[torch.Tensor]:
+        """Packed latents [N, seq, C] of one size -> N images, as the pipeline decodes a batch."""
         config = self.vae.config
         latents = QwenImagePipeline._unpack_latents(latents, height, width, self.vae_scale_factor)
         latents = latents.to(self.vae.dtype)
@@ -59,4 +75,4 @@ class QwenImageDecoder:
         latents = latents / latents_std + latents_mean
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
         image = self.image_processor.postprocess(image, output_type="pt")
-        return image[0].float()
+        return [one.float() for one in image]

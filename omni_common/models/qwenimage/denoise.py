@@ -103,6 +103,11 @@ class QwenImageDenoiser:
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
         steps = request.num_inference_steps
+        if steps < 2 and scheduler.config.get("shift_terminal"):
+            # One sigma of 1.0 makes the terminal stretch divide by zero: diffusers returns NaN.
+            raise InvalidArgument(
+                "num_inference_steps is 1; this model's scheduler (shift_terminal) needs at least 2"
+            )
         sigmas = np.linspace(1.0, 1 / steps, steps)
         mu = calculate_shift(
             latents.shape[1],
@@ -132,13 +137,32 @@ class QwenImageDenoiser:
         return (request.height, request.width, request.do_true_cfg, self.dtype)
 
     def step(self, states: Sequence[DenoiseState]) -> None:
-        """Advance each state by one step (one request per forward for now)."""
-        for state in states:
-            assert isinstance(state, QwenImageDenoiseState)
-            self._step_one(state)
+        """Advance each state by one step, all of them in one transformer forward.
+
+        The states must share a batch key; they may differ in prompt, prompt length, seed, step
+        count and step index. A lone state takes the pipeline's own path (bitwise diffusers);
+        several are batched, which equals their lone runs up to float rounding.
+        """
+        batch = [self._checked(state) for state in states]
+        if len({self.batch_key(state) for state in batch}) > 1:
+            raise ValueError("step() got states of different batch keys; group them by batch_key()")
+        if len({id(state) for state in batch}) != len(batch):
+            raise ValueError("step() got the same state twice")
+        if len(batch) == 1:
+            self._step_one(batch[0])
+        elif batch:
+            self._step_batch(batch)
+
+    def _checked(self, state: DenoiseState) -> QwenImageDenoiseState:
+        if not isinstance(state, QwenImageDenoiseState):
+            raise ValueError(f"step() needs QwenImageDenoiseState, got {type(state).__name__}")
+        if self.is_done(state):
+            raise ValueError("step() got a state that has already finished")
+        return state
 
     @torch.inference_mode()
     def _step_one(self, state: QwenImageDenoiseState) -> None:
+        """One request, exactly the pipeline's loop body: with CFG, two forwards."""
         latents = state.latents
         t = state.timesteps[state.step_index]
         timestep = t.expand(latents.shape[0]).to(latents.dtype)  # rounded in the model dtype
@@ -154,13 +178,38 @@ class QwenImageDenoiser:
                 state.negative_prompt_embeds_mask,
                 state.img_shapes,
             )
-            scale = state.request.true_cfg_scale
-            comb_pred = neg_noise_pred + scale * (noise_pred - neg_noise_pred)
-            # Rescale the guided prediction to the norm of the conditional one.
-            cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-            noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
-            noise_pred = comb_pred * (cond_norm / noise_norm)
-        step = state.scheduler.step(noise_pred, t, latents, return_dict=False)  # type: ignore[arg-type]
+            noise_pred = guide(noise_pred, neg_noise_pred, state.request.true_cfg_scale)
+        self._scheduler_step(state, noise_pred, t)
+
+    @torch.inference_mode()
+    def _step_batch(self, states: list[QwenImageDenoiseState]) -> None:
+        """Several requests in one forward: per-sample timesteps and right-padded prompts with
+        a mask; with CFG the batch is doubled (all conditional, then all unconditional)."""
+        latents = torch.cat([state.latents for state in states])
+        ts = [state.timesteps[state.step_index] for state in states]
+        timestep = torch.stack(ts).to(latents.dtype)  # each rounded in the model dtype, as alone
+        texts = [(state.prompt_embeds, state.prompt_embeds_mask) for state in states]
+        img_shapes = [shape for state in states for shape in state.img_shapes]
+        cfg = states[0].request.do_true_cfg  # part of the batch key: equal for all
+        if cfg:
+            for state in states:
+                assert state.negative_prompt_embeds is not None
+                texts.append((state.negative_prompt_embeds, state.negative_prompt_embeds_mask))
+            latents = torch.cat([latents, latents])
+            timestep = torch.cat([timestep, timestep])
+            img_shapes = img_shapes + img_shapes
+        embeds, mask = pad_prompts(texts, self.dtype)
+        noise_preds = self._forward(latents, timestep, embeds, mask, img_shapes)
+        for i, (state, t) in enumerate(zip(states, ts, strict=True)):
+            noise_pred = noise_preds[i : i + 1]
+            if cfg:
+                neg = noise_preds[len(states) + i : len(states) + i + 1]
+                noise_pred = guide(noise_pred, neg, state.request.true_cfg_scale)
+            self._scheduler_step(state, noise_pred, t)
+
+    @staticmethod
+    def _scheduler_step(state: QwenImageDenoiseState, noise_pred: torch.Tensor, t: torch.Tensor) -> None:
+        step = state.scheduler.step(noise_pred, t, state.latents, return_dict=False)  # type: ignore[arg-type]
         state.latents = step[0]
         state.step_index += 1
 
@@ -186,6 +235,24 @@ class QwenImageDenoiser:
     def is_done(self, state: DenoiseState) -> bool:
         return state.step_index >= state.total_steps
 
+    def is_finite(self, state: DenoiseState) -> bool:
+        assert isinstance(state, QwenImageDenoiseState)
+        return bool(torch.isfinite(state.latents).all())
+
+    def preview(self, state: DenoiseState) -> np.ndarray:
+        """The current latents as a small picture: unpacked to [C, h, w], the first three
+        latent channels mapped to RGB, each stretched to 0..255. Cheap; no VAE."""
+        assert isinstance(state, QwenImageDenoiseState)
+        request = state.request
+        latents = QwenImagePipeline._unpack_latents(
+            state.latents.float().cpu(), request.height, request.width, self.vae_scale_factor
+        )[0, :, 0]
+        rgb = latents[[i % latents.shape[0] for i in range(3)]]
+        low = rgb.amin(dim=(1, 2), keepdim=True)
+        high = rgb.amax(dim=(1, 2), keepdim=True)
+        scaled = (rgb - low) / (high - low).clamp_min(1e-6)
+        return (scaled.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+
     def finish(self, state: DenoiseState) -> StageState:
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
         assert isinstance(state, QwenImageDenoiseState)
@@ -194,3 +261,35 @@ class QwenImageDenoiser:
             tensors={"latents": state.latents},
             meta={"height": str(request.height), "width": str(request.width)},
         )
+
+
+def guide(noise_pred: torch.Tensor, neg_noise_pred: torch.Tensor, scale: float) -> torch.Tensor:
+    """True CFG, then rescale the guided prediction to the norm of the conditional one."""
+    comb_pred = neg_noise_pred + scale * (noise_pred - neg_noise_pred)
+    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+    noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
+    return comb_pred * (cond_norm / noise_norm)
+
+
+def pad_prompts(
+    texts: Sequence[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt embeddings [1, L_i, D] (each with its mask or None) right-padded with zeros to
+    [N, max L_i, D], and the int64 mask [N, max L_i] (1 valid, 0 pad), None when every text
+    is unpadded and unmasked.
+
+    Padding is safe for QwenImageTransformer2DModel (diffusers 0.42): the mask becomes the
+    joint attention's key mask, so padded tokens reach no valid token; text RoPE positions run
+    0..L-1 for every sample, so a valid token keeps the position it has alone; everything else
+    on the text stream is per token.
+    """
+    length = max(embeds.shape[1] for embeds, _ in texts)
+    needs_mask = any(mask is not None or embeds.shape[1] != length for embeds, mask in texts)
+    padded, masks = [], []
+    for embeds, mask in texts:
+        pad = length - embeds.shape[1]
+        padded.append(torch.nn.functional.pad(embeds.to(dtype), (0, 0, 0, pad)))
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        masks.append(torch.nn.functional.pad(mask.to(torch.long), (0, pad)))
+    return torch.cat(padded), (torch.cat(masks) if needs_mask else None)

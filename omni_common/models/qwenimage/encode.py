@@ -49,11 +49,9 @@ class QwenImageEncoder:
         return cls(text_encoder, tokenizer, device)
 
     @torch.inference_mode()
-    def encode_texts(
-        self, texts: Sequence[str], max_sequence_length: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Embeddings [B, L, D] padded with zeros to the longest text, and their int64 mask
-        [B, L] (None when it is all ones, as diffusers returns it)."""
+    def _encode_each(self, texts: Sequence[str]) -> list[torch.Tensor]:
+        """One forward for all `texts` (padded to the longest); per text its valid hidden
+        states [L_i, D] without the system prefix."""
         drop = PROMPT_TEMPLATE_DROP
         tokens = self.tokenizer(
             [PROMPT_TEMPLATE.format(text) for text in texts],
@@ -70,7 +68,14 @@ class QwenImageEncoder:
         )
         hidden = outputs.hidden_states[-1]
         mask = tokens.attention_mask.bool()
-        per_text = [h[m][drop:] for h, m in zip(hidden, mask, strict=True)]
+        return [h[m][drop:] for h, m in zip(hidden, mask, strict=True)]
+
+    def encode_texts(
+        self, texts: Sequence[str], max_sequence_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embeddings [B, L, D] padded with zeros to the longest text, and their int64 mask
+        [B, L] (None when it is all ones, as diffusers returns it)."""
+        per_text = self._encode_each(texts)
         length = max(e.size(0) for e in per_text)
         embeds = torch.stack([torch.cat([e, e.new_zeros(length - e.size(0), e.size(1))]) for e in per_text])
         embeds_mask = torch.stack(
@@ -89,22 +94,31 @@ class QwenImageEncoder:
         return embeds, (None if embeds_mask.all() else embeds_mask)
 
     def encode(self, requests: Sequence[GenerationRequest]) -> list[StageState]:
-        """Per request: "prompt_embeds" [1, L, D] (+ "prompt_embeds_mask" [1, L] int64 when
-        it has zeros) and, with true CFG, "negative_prompt_embeds" (+ its mask).
+        """Per request: "prompt_embeds" [1, L, D] and, with true CFG, "negative_prompt_embeds"
+        [1, L', D], each trimmed to its own text's length, so no mask is needed.
 
-        Prompt and negative prompt are encoded in separate forwards, as diffusers does, so the
-        results are bitwise those of the pipeline.
+        A lone request takes diffusers' path: each of its texts in a forward of its own, so its
+        embeddings are bitwise the pipeline's. Several requests share one padded forward for all
+        their texts (prompts and negative prompts); a text's valid states then equal its states
+        encoded alone up to float rounding (padded tokens are masked out as keys).
         """
+        if not requests:
+            return []
+        texts = [text for request in requests for text in _texts_of(request)]
+        if len(requests) == 1:
+            per_text = [self.encode_texts([text], requests[0].max_sequence_length)[0][0] for text in texts]
+        else:
+            per_text = self._encode_each(texts)
         states = []
         for request in requests:
             tensors: dict[str, torch.Tensor] = {}
-            texts = {"prompt": request.prompt}
-            if request.do_true_cfg:
-                texts["negative_prompt"] = request.negative_prompt
-            for name, text in texts.items():
-                embeds, mask = self.encode_texts([text], request.max_sequence_length)
-                tensors[f"{name}_embeds"] = embeds
-                if mask is not None:
-                    tensors[f"{name}_embeds_mask"] = mask
+            for name in ("prompt", "negative_prompt")[: len(_texts_of(request))]:
+                embeds = per_text.pop(0)[: request.max_sequence_length]
+                tensors[f"{name}_embeds"] = embeds.unsqueeze(0)
             states.append(StageState(tensors=tensors))
         return states
+
+
+def _texts_of(request: GenerationRequest) -> list[str]:
+    """The texts a request needs encoded: its prompt and, with true CFG, its negative prompt."""
+    return [request.prompt, request.negative_prompt] if request.do_true_cfg else [request.prompt]

@@ -8,6 +8,7 @@ prefix is exactly 34 tokens, as it is with the real Qwen2.5-VL tokenizer (the pi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -30,15 +31,12 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 # Every word of the chat template and a few prompt words, so each becomes one token.
-_CORPUS = [
-    PROMPT_TEMPLATE.format(text)
-    for text in (
-        "a red cat sitting on a blue mat",
-        "a photo of a dog under a green tree near a small house",
-        "a painting of mountains, a lake, and the sky at sunset",
-        "blurry, low quality, watermark",
-    )
-]
+FIXTURE_PROMPTS = (
+    "a red cat sitting on a blue mat",
+    "a photo of a dog under a green tree near a small house",
+    "a painting of mountains, a lake, and the sky at sunset",
+    "blurry, low quality, watermark",
+)
 # Qwen-Image's own scheduler config: dynamic (resolution-dependent) exponential shifting.
 SCHEDULER_CONFIG = {
     "base_image_seq_len": 256,
@@ -53,10 +51,12 @@ SCHEDULER_CONFIG = {
 }
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
-    """A small Qwen2 byte-level BPE with the chat and vision special tokens."""
+def build_tokenizer(prompts: Sequence[str] = FIXTURE_PROMPTS) -> Qwen2Tokenizer:
+    """A small Qwen2 byte-level BPE with the chat and vision special tokens, trained on the chat
+    template filled with `prompts` (so their words become single tokens)."""
+    corpus = [PROMPT_TEMPLATE.format(text) for text in prompts]
     base = Qwen2Tokenizer()  # empty vocab, Qwen2's pre-tokenizer; <|endoftext|> is pad/eos
-    tokenizer = base.train_new_from_iterator([_CORPUS], vocab_size=1024, new_special_tokens=SPECIAL_TOKENS)
+    tokenizer = base.train_new_from_iterator([corpus], vocab_size=1024, new_special_tokens=SPECIAL_TOKENS)
     prefix = PROMPT_TEMPLATE.split("{}")[0]
     n_prefix = len(tokenizer(prefix).input_ids)
     if n_prefix != PROMPT_TEMPLATE_DROP:  # the pipeline's hard-coded drop index relies on it

@@ -1,0 +1,140 @@
+"""Continuous batching: images/s and latency of the cluster at several concurrencies, next
+to diffusers in one process called one request at a time (what a user does) and called
+once with all prompts in one batch (the upper bound), in the same run.
+
+    python benchmarks/batching.py [--sizes 64 256] [--concurrency 1 4 8 16] [--steps 20]
+
+Each concurrency level runs `rounds` closed-loop requests per client. One JSON line per
+(size, side, concurrency), then a summary per size with the ratios at concurrency 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from diffusers import QwenImagePipeline
+
+from omni_common.client import AsyncClient
+from omni_common.cluster import LocalCluster, loopback_plan
+from omni_common.models.qwenimage.fixture import build_tiny_fixture
+
+PROMPTS = [
+    f"a small {c} {t}" for c in ("red", "blue", "green", "gold") for t in ("cup", "boat", "tree", "kite")
+]
+
+
+def p95(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def emit(**row: object) -> None:
+    print(json.dumps({"bench": "batching", **row}), flush=True)
+
+
+def diffusers_sides(pipe: QwenImagePipeline, size: int, steps: int, n: int) -> dict[str, float]:
+    """images/s of n single calls and of one call with n prompts."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        pipe(
+            prompt,
+            width=size,
+            height=size,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(i),
+        )
+    one_at_a_time = n / (time.perf_counter() - started)
+    started = time.perf_counter()
+    pipe(
+        prompts,
+        width=size,
+        height=size,
+        num_inference_steps=steps,
+        generator=[torch.Generator().manual_seed(i) for i in range(n)],
+    )
+    one_batch = n / (time.perf_counter() - started)
+    return {"one_at_a_time": one_at_a_time, "one_batch": one_batch}
+
+
+async def cluster_side(
+    address: str, size: int, steps: int, concurrency: int, rounds: int
+) -> dict[str, float]:
+    latencies: list[float] = []
+
+    async def client_loop(client: AsyncClient, worker: int) -> None:
+        for r in range(rounds):
+            started = time.perf_counter()
+            await client.generate_result(
+                PROMPTS[(worker + r) % len(PROMPTS)],
+                width=size,
+                height=size,
+                steps=steps,
+                seed=worker * 100 + r,
+                progress_every=steps,
+            )
+            latencies.append((time.perf_counter() - started) * 1e3)
+
+    async with AsyncClient(address) as client:
+        await client.generate_result(PROMPTS[0], width=size, height=size, steps=steps)  # warm-up
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(client, w) for w in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {
+        "images_per_s": len(latencies) / wall,
+        "p50_ms": statistics.median(latencies),
+        "p95_ms": p95(latencies),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="requests per client per level")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_fixture(Path(tmp) / "qwen-image-tiny")
+        pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        plan = loopback_plan(model, extra_env={"OMNISTAGE_MAX_BATCH": "16"})
+        with LocalCluster(plan, log_dir=Path(tmp) / "logs"):
+            address = plan[-1].health_address
+            for size in args.sizes:
+                base = diffusers_sides(pipe, size, args.steps, n=8)
+                for side, ips in base.items():
+                    emit(size=size, side=f"diffusers_{side}", batch=8, images_per_s=round(ips, 3))
+                at8 = None
+                for concurrency in args.concurrency:
+                    row = asyncio.run(cluster_side(address, size, args.steps, concurrency, args.rounds))
+                    emit(
+                        size=size,
+                        side="cluster",
+                        concurrency=concurrency,
+                        **{k: round(v, 3) for k, v in row.items()},
+                    )
+                    if concurrency == 8:
+                        at8 = row["images_per_s"]
+                if at8 is not None:
+                    emit(
+                        size=size,
+                        summary="concurrency 8",
+                        vs_one_batch=round(at8 / base["one_batch"], 3),
+                        vs_one_at_a_time=round(at8 / base["one_at_a_time"], 3),
+                    )
+
+
+if __name__ == "__main__":
+    main()

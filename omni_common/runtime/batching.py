@@ -1,0 +1,129 @@
+"""Micro-batching for stages whose work is one forward per batch (encoder, VAE).
+
+Concurrent submissions are queued; whenever the runner is free, everything queued (up to
+`max_batch`, after waiting `window_s` for company) runs as one batch. With window 0 a
+lone request pays no added latency, and requests that arrive while a batch runs form the
+next one. The queue is bounded: a full queue is RESOURCE_EXHAUSTED with a retry hint.
+One failing item never fails its batch: the batch is retried item by item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
+
+I = TypeVar("I")  # noqa: E741
+O = TypeVar("O")  # noqa: E741
+log = logging.getLogger("omnistage.batching")
+
+
+@dataclass(eq=False)
+class _Pending(Generic[I, O]):
+    item: I
+    future: asyncio.Future[O]
+    deadline: float | None
+    label: str
+
+
+class MicroBatcher(Generic[I, O]):
+    def __init__(
+        self,
+        run_batch: Callable[[list[I]], Awaitable[list[O]]],
+        *,
+        name: str,
+        window_s: float = 0.0,
+        max_batch: int = 8,
+        max_queue: int = 64,
+    ) -> None:
+        self.run_batch = run_batch
+        self.name = name
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.queue: deque[_Pending[I, O]] = deque()
+        self.batch_ms = 0.0  # duration of the last batch, for retry hints
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    async def submit(self, item: I, *, deadline: float | None = None, label: str = "") -> O:
+        """Queue `item` and wait for its result (cancelling the wait drops the item)."""
+        if len(self.queue) >= self.max_queue:
+            wait_ms = max(1, round(self.batch_ms * (len(self.queue) / self.max_batch + 1)))
+            raise ResourceExhausted(
+                f"{self.name} is at capacity ({len(self.queue)} requests queued); "
+                f"retry in about {wait_ms} ms",
+                retry_after_ms=wait_ms,
+            )
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop())
+        future: asyncio.Future[O] = asyncio.get_running_loop().create_future()
+        self.queue.append(_Pending(item, future, deadline, label))
+        self._wake.set()
+        return await future
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+            if self.window_s > 0 and len(self.queue) < self.max_batch:
+                await asyncio.sleep(self.window_s)
+            batch = self._take()
+            if batch:
+                started = time.perf_counter()
+                await self._run(batch)
+                self.batch_ms = (time.perf_counter() - started) * 1e3
+
+    def _take(self) -> list[_Pending[I, O]]:
+        batch: list[_Pending[I, O]] = []
+        now = time.monotonic()
+        while self.queue and len(batch) < self.max_batch:
+            pending = self.queue.popleft()
+            if pending.future.done():  # cancelled while queued
+                continue
+            if pending.deadline is not None and now >= pending.deadline:
+                pending.future.set_exception(
+                    DeadlineExceeded(f"{self.name}: the deadline passed while the request was queued")
+                )
+                continue
+            batch.append(pending)
+        return batch
+
+    async def _run(self, batch: list[_Pending[I, O]]) -> None:
+        try:
+            results = await self.run_batch([p.item for p in batch])
+        except Exception as err:
+            if len(batch) == 1:
+                if isinstance(err, OmniError):  # the request's own fault: say so
+                    if not batch[0].future.done():
+                        batch[0].future.set_exception(err)
+                else:
+                    _fail(batch[0], self.name)
+                return
+            log.warning("%s: a batch of %d failed; retrying its items one by one", self.name, len(batch))
+            for pending in batch:
+                await self._run([pending])
+            return
+        for pending, result in zip(batch, results, strict=True):
+            if not pending.future.done():
+                pending.future.set_result(result)
+
+
+def _fail(pending: _Pending[I, O], name: str) -> None:
+    log.exception("%s: request %s failed", name, pending.label or "?")
+    if not pending.future.done():
+        pending.future.set_exception(OmniError(f"internal error in {name} (request {pending.label or '?'})"))

@@ -1,0 +1,248 @@
+"""StepScheduler on the real tiny DiT: requests join and leave between steps, each keeps
+its own result, and failures, deadlines, cancels and a full queue stay with their request.
+
+Batched results are compared with tolerance 1e-5 (fp32): a batched forward runs different
+matmul shapes than a lone one, so results differ by rounding (~1e-6 measured), never more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
+from omni_common.models.base import DenoiserRunner, DenoiseState, GenerationRequest, StageState
+from omni_common.models.registry import get_family
+from omni_common.runtime.worker import StageCall
+from services.dit_denoise.scheduler import StepScheduler
+
+CPU = torch.device("cpu")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_model: Path) -> tuple[Any, DenoiserRunner]:
+    family = get_family("qwenimage")
+    return (
+        family.load_encoder(tiny_model, CPU, torch.float32),
+        family.load_denoiser(tiny_model, CPU, torch.float32),
+    )
+
+
+def call(runners: tuple[Any, DenoiserRunner], prompt: str, **fields: Any) -> StageCall:
+    request = GenerationRequest(
+        **{"prompt": prompt, "width": 64, "height": 64, "num_inference_steps": 4, **fields}
+    )
+    (inputs,) = runners[0].encode([request])
+    return StageCall(request_id=prompt.replace(" ", "-")[:40], request=request, inputs=inputs)
+
+
+def alone(denoiser: DenoiserRunner, c: StageCall) -> torch.Tensor:
+    state = denoiser.prepare(c.request, c.inputs)
+    while not denoiser.is_done(state):
+        denoiser.step([state])
+    return denoiser.finish(state).tensors["latents"]
+
+
+Compute = Callable[..., Awaitable[Any]]
+
+
+def run_async(main: Callable[[Compute], Awaitable[Any]]) -> Any:
+    """Run `main(compute)` with a one-thread compute executor, like a worker's."""
+    executor = ThreadPoolExecutor(max_workers=1)
+
+    async def compute(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    try:
+        return asyncio.run(main(compute))
+    finally:
+        executor.shutdown()
+
+
+async def result_of(
+    events: AsyncIterator[Any], on_step: Callable[[int], None] = lambda _: None
+) -> StageState:
+    async for event in events:
+        if isinstance(event, StageState):
+            return event
+        on_step(event.step)
+    raise AssertionError("no result")
+
+
+def test_requests_joining_between_steps_match_their_solo_results(runners) -> None:  # type: ignore[no-untyped-def]
+    first = call(runners, "a red house", num_inference_steps=6, seed=1)
+    late = call(runners, "a much longer prompt about a small blue boat at sea", num_inference_steps=3, seed=2)
+
+    async def main(compute: Compute) -> tuple[StageState, StageState, list[int]]:
+        scheduler = StepScheduler(runners[1], compute)
+        joined = asyncio.Event()
+        steps_of_first: list[int] = []
+
+        def maybe_join(step: int) -> None:
+            steps_of_first.append(step)
+            if step == 2:
+                joined.set()
+
+        a = asyncio.create_task(result_of(scheduler.run(first), maybe_join))
+        await joined.wait()
+        b = await result_of(scheduler.run(late))
+        result = (await a, b, list(scheduler.batch_sizes))
+        scheduler.close()
+        return result
+
+    a, b, sizes = run_async(main)
+    assert 2 in sizes, f"the late request never shared a forward: {sizes}"
+    for c, got in ((first, a), (late, b)):
+        torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
+
+
+def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners) -> None:  # type: ignore[no-untyped-def]
+    calls = [
+        call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
+        call(runners, "plain one", seed=4),
+        call(runners, "cfg two", negative_prompt="dark and grainy", true_cfg_scale=4.0, seed=5),
+        call(runners, "plain two", seed=6, num_inference_steps=2),
+    ]
+
+    async def main(compute: Compute) -> tuple[list[StageState], list[int]]:
+        scheduler = StepScheduler(runners[1], compute)
+        results = await asyncio.gather(*(result_of(scheduler.run(c)) for c in calls))
+        scheduler.close()
+        return list(results), list(scheduler.batch_sizes)
+
+    results, sizes = run_async(main)
+    assert max(sizes) == 2 and sum(sizes) == 4 + 4 + 4 + 2
+    for c, got in zip(calls, results, strict=True):
+        torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
+
+
+def test_oldest_first_a_later_stream_never_starves_an_earlier_request(runners) -> None:  # type: ignore[no-untyped-def]
+    big = call(runners, "64 square", seed=1)
+    other = StageCall(
+        request_id="other-size",
+        request=GenerationRequest(prompt="32 square", width=32, height=32, num_inference_steps=4),
+        inputs=big.inputs,
+    )
+
+    async def main(compute: Compute) -> list[str]:
+        scheduler = StepScheduler(runners[1], compute)
+        finished: list[str] = []
+
+        async def run(c: StageCall) -> None:
+            await result_of(scheduler.run(c))
+            finished.append(c.request_id)
+
+        tasks = [asyncio.create_task(run(big)), asyncio.create_task(run(other))]
+        for i in range(4):  # a stream of later requests with the first one's batch key
+            await asyncio.sleep(0.01)
+            later = StageCall(request_id=f"later-{i}", request=big.request, inputs=big.inputs)
+            tasks.append(asyncio.create_task(run(later)))
+        await asyncio.gather(*tasks)
+        scheduler.close()
+        return finished
+
+    finished = run_async(main)
+    assert finished.index("other-size") < min(finished.index(f"later-{i}") for i in range(4))
+
+
+class Poisoned:
+    """The real runner, except that steps fail for prompts saying "raise" and turn the
+    latents of prompts saying "nan" into NaN."""
+
+    def __init__(self, runner: DenoiserRunner) -> None:
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def step(self, states: list[DenoiseState]) -> None:
+        if any("raise" in s.request.prompt for s in states):
+            raise RuntimeError("injected fault")
+        self.runner.step(states)
+        for s in states:
+            if "nan" in s.request.prompt:
+                s.latents.fill_(float("nan"))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("poison", ["please raise", "a nan prompt"])
+def test_a_poisoned_request_fails_alone_and_its_batch_mates_finish_correctly(runners, poison) -> None:  # type: ignore[no-untyped-def]
+    good = [call(runners, "good one", seed=1), call(runners, "good two", seed=2)]
+    bad = call(runners, poison, seed=3)
+
+    async def main(compute: Compute) -> list[Any]:
+        scheduler = StepScheduler(Poisoned(runners[1]), compute)  # type: ignore[arg-type]
+        results = await asyncio.gather(
+            *(result_of(scheduler.run(c)) for c in (good[0], bad, good[1])), return_exceptions=True
+        )
+        scheduler.close()
+        return list(results)
+
+    first, failed, second = run_async(main)
+    assert isinstance(failed, OmniError) and failed.code.name == "INTERNAL"
+    assert bad.request_id in failed.message
+    for c, got in zip(good, (first, second), strict=True):
+        torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
+
+
+def test_expired_deadline_is_dropped_before_more_compute(runners) -> None:  # type: ignore[no-untyped-def]
+    c = call(runners, "late", num_inference_steps=200)
+    c = StageCall(c.request_id, c.request, c.inputs, deadline=time.monotonic() + 0.15)
+
+    async def main(compute: Compute) -> tuple[BaseException | None, list[int]]:
+        scheduler = StepScheduler(runners[1], compute)
+        steps: list[int] = []
+        try:
+            await result_of(scheduler.run(c), steps.append)
+        except DeadlineExceeded as err:
+            scheduler.close()
+            return err, steps
+        return None, steps
+
+    err, steps = run_async(main)
+    assert err is not None and "deadline passed at step" in str(err)
+    assert 0 < len(steps) < 200
+
+
+def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(runners) -> None:  # type: ignore[no-untyped-def]
+    c = call(runners, "one", num_inference_steps=20)
+
+    async def main(compute: Compute) -> ResourceExhausted:
+        scheduler = StepScheduler(runners[1], compute, max_queue=1)
+        running = asyncio.create_task(result_of(scheduler.run(c)))
+        while not scheduler.jobs:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ResourceExhausted) as caught:
+            await result_of(scheduler.run(c))
+        await running
+        scheduler.close()
+        return caught.value
+
+    err = run_async(main)
+    assert "dit-denoise is at capacity" in err.message and err.retry_after_ms is not None
+
+
+def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners) -> None:  # type: ignore[no-untyped-def]
+    c = call(runners, "leaving", num_inference_steps=500)
+
+    async def main(compute: Compute) -> tuple[int, int]:
+        scheduler = StepScheduler(runners[1], compute)
+        events = scheduler.run(c)
+        async for event in events:
+            if event.step == 3:
+                break
+        await events.aclose()
+        await asyncio.sleep(0.2)
+        left = len(scheduler.jobs)
+        scheduler.close()
+        return left, sum(scheduler.batch_sizes)
+
+    left, steps = run_async(main)
+    assert left == 0 and steps < 10
