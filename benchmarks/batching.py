@@ -110,8 +110,8 @@ def main() -> None:
         pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
         plan = loopback_plan(model, extra_env={"OMNISTAGE_MAX_BATCH": "16"})
-        with LocalCluster(plan, log_dir=Path(tmp) / "logs"):
-            address = plan[-1].health_address
+        with LocalCluster(plan, log_dir=Path(tmp) / "logs") as cluster:
+            address = cluster.coordinator
             for size in args.sizes:
                 base = diffusers_sides(pipe, size, args.steps, n=8)
                 for side, ips in base.items():

@@ -66,7 +66,7 @@ def main() -> None:
         pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
         plan = loopback_plan(model)
-        with LocalCluster(plan, log_dir=Path(tmp) / "logs"), Client(plan[-1].health_address) as client:
+        with LocalCluster(plan, log_dir=Path(tmp) / "logs") as cluster, Client(cluster.coordinator) as client:
             for size in args.sizes:
 
                 def in_process(seed: int, size: int = size) -> object:

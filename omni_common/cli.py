@@ -44,12 +44,20 @@ def _ensure_default_model(plan_env: list[dict[str, str]]) -> None:
             build_tiny_fixture(Path(model))
 
 
+def _parse_scale(item: str) -> tuple[str, int]:
+    name, sep, count = item.partition("=")
+    if not sep or not count.isdigit() or int(count) < 1:
+        raise SystemExit(f"--scale takes SERVICE=N with N >= 1, not {item!r}")
+    return name, int(count)
+
+
 def _cluster_up(args: argparse.Namespace) -> int:
     from omni_common.cluster import LocalCluster, load_compose, local_plan
     from omni_common.transport import sweep_stale_segments
 
     compose = Path(args.compose).resolve()
-    plan = local_plan(load_compose(compose), compose.parent)
+    scale = dict(_parse_scale(item) for item in args.scale)
+    plan = local_plan(load_compose(compose), compose.parent, scale)
     _ensure_default_model([p.environment for p in plan])
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -57,10 +65,9 @@ def _cluster_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(plan, log_dir=Path(args.logs) if args.logs else None)
     try:
         cluster.start(timeout_s=args.timeout)
-        coordinator = next((p for p in plan if p.name == "coordinator"), plan[-1])
         print(
             f"cluster ready: {', '.join(p.name for p in plan)}; "
-            f"coordinator at {coordinator.health_address}. Ctrl-C stops it.",
+            f"coordinator at {cluster.coordinator}. Ctrl-C stops it.",
             flush=True,
         )
         stop.wait()
@@ -154,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--compose", default="docker-compose.yml")
     up.add_argument("--logs", default="", help="directory for one log file per service")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
+    up.add_argument(
+        "--scale",
+        action="append",
+        default=[],
+        metavar="SERVICE=N",
+        help="run N replicas of a service (repeatable), e.g. --scale dit-denoise=3",
+    )
     up.set_defaults(func=_cluster_up)
 
     gen = sub.add_parser("generate", help="generate one image through a coordinator")

@@ -35,6 +35,7 @@ class ServiceSpec:
     depends_on: list[str]
     volumes: list[tuple[str, str]]
     health_address: str
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def load_compose(path: Path, env: dict[str, str] | None = None) -> list[ServiceS
             depends_on=sorted(body.get("depends_on") or []),
             volumes=volumes,
             health_address=str(test[-1]),
+            replicas=int((body.get("deploy") or {}).get("replicas", 1)),
         )
     return _start_order(specs)
 
@@ -94,8 +96,15 @@ def _start_order(specs: dict[str, ServiceSpec]) -> list[ServiceSpec]:
     return ordered
 
 
-def local_plan(specs: list[ServiceSpec], compose_dir: Path) -> list[LocalProcess]:
-    """The processes that run `specs` on this host."""
+def local_plan(
+    specs: list[ServiceSpec], compose_dir: Path, scale: dict[str, int] | None = None
+) -> list[LocalProcess]:
+    """The processes that run `specs` on this host; `scale` overrides a service's replica
+    count. Replica i (from 0) of a service listens on its declared port + 100 * i."""
+    scale = scale or {}
+    unknown = set(scale) - {spec.name for spec in specs}
+    if unknown:
+        raise ValueError(f"--scale names no service of the compose file: {sorted(unknown)}")
     names = {spec.name for spec in specs}
 
     def local_path(value: str, volumes: list[tuple[str, str]]) -> str:
@@ -123,7 +132,17 @@ def local_plan(specs: list[ServiceSpec], compose_dir: Path) -> list[LocalProcess
         if argv and argv[0] == "omnistage":
             argv = [sys.executable, "-m", "omni_common.cli", *argv[1:]]
         environment = {k: localise(v, spec.volumes) for k, v in spec.environment.items()}
-        plan.append(LocalProcess(spec.name, argv, environment, spec.health_address))
+        for i in range(scale.get(spec.name, spec.replicas)):
+            if i == 0:
+                plan.append(LocalProcess(spec.name, argv, environment, spec.health_address))
+                continue
+            host, port = spec.health_address.rsplit(":", 1)
+            moved = str(int(port) + 100 * i)
+            plan.append(
+                LocalProcess(
+                    f"{spec.name}-{i + 1}", argv, {**environment, "OMNISTAGE_PORT": moved}, f"{host}:{moved}"
+                )
+            )
     return plan
 
 
@@ -142,14 +161,53 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def coordinator(self) -> str:
+        """The coordinator's address."""
+        return next(p.health_address for p in self.plan if p.name == "coordinator")
+
     def start(self, timeout_s: float = 180.0) -> None:
+        """Start every process, each once the previous is healthy; then wait until the
+        coordinator routes to every stage replica of the plan."""
         try:
             for proc in self.plan:
                 self._spawn(proc)
                 self.wait_healthy(proc, timeout_s)
+            self.wait_registered(timeout_s)
         except BaseException:
             self.stop()
             raise
+
+    def wait_registered(self, timeout_s: float) -> None:
+        from omni_common.client import Client
+
+        expected: dict[str, int] = {}
+        for proc in self.plan:
+            stage = proc.argv[-1] if "serve" in proc.argv else ""
+            if stage in ("ar-encoder", "dit-denoise", "vae-decode"):
+                expected[stage] = expected.get(stage, 0) + 1
+        if not expected or not any(p.name == "coordinator" for p in self.plan):
+            return
+        deadline = time.monotonic() + timeout_s
+        with Client(self.coordinator) as client:
+            while True:
+                try:
+                    models = client.list_models()
+                except Exception:
+                    models = []
+                if any(all(m.replicas.get(s, 0) >= n for s, n in expected.items()) for m in models):
+                    return
+                if time.monotonic() > deadline:
+                    raise Unavailable(
+                        f"the coordinator does not route to every replica after {timeout_s:g} s"
+                    )
+                time.sleep(0.1)
+
+    def add(self, proc: LocalProcess, timeout_s: float = 180.0) -> None:
+        """Start one more process (a new replica) and wait until it is healthy."""
+        self.plan.append(proc)
+        self._spawn(proc)
+        self.wait_healthy(proc, timeout_s)
 
     def _spawn(self, proc: LocalProcess) -> None:
         env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
@@ -201,34 +259,49 @@ def free_port() -> int:
 
 
 def loopback_plan(
-    model_dir: Path, dtype: str = "float32", extra_env: dict[str, str] | None = None
+    model_dir: Path,
+    dtype: str = "float32",
+    extra_env: dict[str, str] | None = None,
+    replicas: dict[str, int] | None = None,
 ) -> list[LocalProcess]:
-    """Three stage processes and a coordinator on free loopback ports (tests, benchmarks)."""
+    """A coordinator, then stage replicas that register with it, on free loopback ports
+    (tests, benchmarks). `replicas` sets a stage's count (default 1 each)."""
     cli = [sys.executable, "-m", "omni_common.cli", "serve"]
-    stages = {name: free_port() for name in ("ar-encoder", "dit-denoise", "vae-decode")}
     common = dict(extra_env or {})
+    port = free_port()
+    coordinator = f"{LOOPBACK}:{port}"
     plan = [
         LocalProcess(
-            stage,
-            [*cli, stage],
-            {
-                **common,
-                "OMNISTAGE_MODEL": str(model_dir),
-                "OMNISTAGE_PORT": str(port),
-                "OMNISTAGE_DTYPE": dtype,
-            },
-            f"{LOOPBACK}:{port}",
+            "coordinator", [*cli, "coordinator"], {**common, "OMNISTAGE_PORT": str(port)}, coordinator
         )
-        for stage, port in stages.items()
     ]
-    port = free_port()
-    env = {f"OMNISTAGE_{s.replace('-', '_').upper()}": f"{LOOPBACK}:{p}" for s, p in stages.items()}
-    plan.append(
-        LocalProcess(
-            "coordinator",
-            [*cli, "coordinator"],
-            {**common, **env, "OMNISTAGE_PORT": str(port)},
-            f"{LOOPBACK}:{port}",
-        )
-    )
+    for stage in ("ar-encoder", "dit-denoise", "vae-decode"):
+        for i in range((replicas or {}).get(stage, 1)):
+            plan.append(
+                stage_process(
+                    stage,
+                    model_dir,
+                    coordinator,
+                    f"{stage}-{i + 1}" if i else stage,
+                    {
+                        **common,
+                        "OMNISTAGE_DTYPE": dtype,
+                    },
+                )
+            )
     return plan
+
+
+def stage_process(
+    stage: str, model_dir: Path, coordinator: str, name: str = "", extra_env: dict[str, str] | None = None
+) -> LocalProcess:
+    """One stage replica on a free loopback port, registering with `coordinator`."""
+    port = free_port()
+    env = {
+        **(extra_env or {}),
+        "OMNISTAGE_MODEL": str(model_dir),
+        "OMNISTAGE_PORT": str(port),
+        "OMNISTAGE_COORDINATOR": coordinator,
+    }
+    cli = [sys.executable, "-m", "omni_common.cli", "serve", stage]
+    return LocalProcess(name or stage, cli, env, f"{LOOPBACK}:{port}")

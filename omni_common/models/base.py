@@ -85,6 +85,14 @@ class DenoiserRunner(Protocol):
         """A small uint8 [h, w, 3] picture of the current latents, cheap (no VAE)."""
         ...
 
+    def checkpoint(self, state: DenoiseState) -> StageState:
+        """What another replica needs to continue `state` (with the same request)."""
+        ...
+
+    def restore(self, state: DenoiseState, checkpoint: StageState) -> None:
+        """Move a freshly prepared `state` to where `checkpoint` was taken."""
+        ...
+
     def finish(self, state: DenoiseState) -> StageState:
         """The final latents (and their size metadata) for the decoder."""
         ...

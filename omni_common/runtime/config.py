@@ -37,6 +37,11 @@ class StageConfig:
     max_queue: int = 64
     batch_window_ms: float = 0.0
     max_tokens: int = 65536
+    coordinator: str = ""
+    backend: str = "torch"
+    cache_bytes: int = 256 * 1024 * 1024
+    cache_bypass: bool = False
+    vllm_memory_fraction: float = 0.1
 
     @property
     def bind_address(self) -> str:
@@ -114,6 +119,35 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="dit-denoise: image tokens per forward, CFG counted twice",
     )
     parser.add_argument(
+        "--coordinator",
+        default=env("COORDINATOR", ""),
+        help="coordinator address to register with and heartbeat to (empty: static config only)",
+    )
+    parser.add_argument(
+        "--backend",
+        default=env("BACKEND", "torch"),
+        choices=("torch", "vllm"),
+        help="ar-encoder: torch (in-process transformers) or vllm (vLLM's engine; needs omnistage[vllm])",
+    )
+    parser.add_argument(
+        "--cache-bytes",
+        type=int,
+        default=int(env("CACHE_BYTES", str(256 * 1024 * 1024))),
+        help="ar-encoder: prompt-embedding cache size in bytes (0 = off)",
+    )
+    parser.add_argument(
+        "--cache-bypass",
+        action="store_true",
+        default=env("CACHE_BYPASS", "0") in ("1", "true", "yes"),
+        help="ar-encoder: neither read nor fill the prompt-embedding cache (for measurements)",
+    )
+    parser.add_argument(
+        "--vllm-memory-fraction",
+        type=float,
+        default=float(env("VLLM_MEMORY_FRACTION", "0.1")),
+        help="ar-encoder with --backend vllm: share of device memory (CPU: of RAM) for vLLM",
+    )
+    parser.add_argument(
         "--advertise-host",
         default=env("ADVERTISE_HOST", ""),
         help="host name peers use to reach this replica (default: --host)",
@@ -139,6 +173,11 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         max_queue=args.max_queue,
         batch_window_ms=args.batch_window_ms,
         max_tokens=args.max_tokens,
+        coordinator=args.coordinator,
+        backend=args.backend,
+        cache_bytes=args.cache_bytes,
+        cache_bypass=args.cache_bypass,
+        vllm_memory_fraction=args.vllm_memory_fraction,
         max_pixels=args.max_pixels,
         advertise_host=args.advertise_host,
     )
@@ -150,8 +189,8 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         key = stage.replace("-", "_").upper()
         parser.add_argument(
             f"--{stage}",
-            default=env(key, f"127.0.0.1:{DEFAULT_PORTS[stage]}"),
-            help=f"comma-separated {stage} replica addresses (round robin)",
+            default=env(key, ""),
+            help=f"comma-separated static {stage} replica addresses (replicas may also register)",
         )
     parser.add_argument("--stage-timeout", type=float, default=float(env("STAGE_TIMEOUT_S", "600")))
     parser.add_argument(
@@ -167,9 +206,6 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         stage: [a.strip() for a in getattr(args, stage.replace("-", "_")).split(",") if a.strip()]
         for stage in STAGES
     }
-    for stage, addresses in replicas.items():
-        if not addresses:
-            raise SystemExit(f"coordinator: no {stage} address configured")
     return CoordinatorConfig(
         replicas=replicas,
         host=args.host,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -19,8 +20,9 @@ import torch
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.registration import deregister, gpu_uuid, ipc_namespace, keep_registered
 from omni_common.runtime.serve import serve
-from omni_common.runtime.worker import StageCall
+from omni_common.runtime.worker import Progress, StageCall
 from omni_common.transport import TensorTransport, add_tensor_store
 from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -38,9 +40,13 @@ class StageWorker(Protocol):
     dtype: torch.dtype
     in_flight: int
 
+    def load(self) -> int:
+        """The stage's own load signal (StageInfo.load)."""
+        ...
+
     def validate(self, request: GenerationRequest) -> None: ...
 
-    def run(self, call: StageCall) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+    def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
         ...
 
@@ -79,6 +85,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             dtype=str(self.worker.dtype).removeprefix("torch."),
             address=self.transport.address,
             queue_depth=self.worker.in_flight,
+            load=self.worker.load(),
+            gpu_uuid=gpu_uuid(self.worker.device),
+            ipc_namespace=ipc_namespace(),
         )
 
     async def Info(
@@ -87,6 +96,23 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         if self.draining:  # routers treat the replica as gone
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker.stage} is shutting down")
         return self.info()
+
+    def _step_event(self, progress: Progress, consumer_host_id: str) -> stage_pb2.StepProgress:
+        event = stage_pb2.StepProgress(
+            step=progress.step,
+            total=progress.total,
+            step_ms=progress.step_ms,
+            preview_png=progress.preview_png,
+        )
+        if progress.checkpoint is not None:
+            checkpoint = progress.checkpoint
+            # The coordinator owns these leases from here (it releases superseded ones).
+            event.checkpoint.CopyFrom(
+                self.transport.export_state(
+                    checkpoint.tensors, checkpoint.meta, consumer_host_id=consumer_host_id
+                )
+            )
+        return event
 
     def _check(self, request: stage_pb2.StageRequest) -> GenerationRequest:
         if self.draining:
@@ -113,6 +139,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 raise DeadlineExceeded(f"request {rid}: the deadline passed before {self.worker.stage}")
             tensors, meta = await self.transport.import_state(request.input)
             check_finite(tensors)
+            resume = None
+            if request.HasField("resume"):
+                resume = StageState(*await self.transport.import_state(request.resume))
+                check_finite(resume.tensors)
             started = time.perf_counter()
             outputs = frozenset(request.outputs)
             call = StageCall(
@@ -123,10 +153,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 progress_every=request.progress_every,
                 preview_every=request.preview_every,
                 deadline=None if remaining is None else time.monotonic() + remaining,
+                checkpoint_every=request.checkpoint_every,
+                resume=resume,
             )
             async for item in self.worker.run(call):
-                if isinstance(item, stage_pb2.StepProgress):
-                    yield stage_pb2.StageEvent(step=item)
+                if isinstance(item, Progress):
+                    yield stage_pb2.StageEvent(step=self._step_event(item, request.consumer_host_id))
                     continue
                 compute_ms = (time.perf_counter() - started) * 1e3
                 output = self.transport.export_state(
@@ -158,6 +190,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self.worker.in_flight -= 1
 
 
+def _own_ip() -> str:
+    """This host's address as its peers see it (a container's IP on its network)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 async def serve_stage(
     config: StageConfig,
     make_worker: Callable[[StageConfig], StageWorker],
@@ -172,17 +212,27 @@ async def serve_stage(
     )
     worker = make_worker(config)
     servicer = StageServicer(worker, transport, config.max_pixels)
+    background: list[asyncio.Task[None]] = []
 
     async def setup(server: grpc.aio.Server, address: str) -> None:
-        host = config.advertise_host or address.rsplit(":", 1)[0]
-        transport.address = f"{host}:{address.rsplit(':', 1)[1]}"
+        host, port = address.rsplit(":", 1)
+        host = config.advertise_host or (_own_ip() if host == "0.0.0.0" else host)
+        transport.address = f"{host}:{port}"
         stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
         add_tensor_store(server, transport)
+        if config.coordinator:
+            background.append(asyncio.create_task(keep_registered(config.coordinator, servicer.info)))
 
     def drain() -> None:
         servicer.draining = True
+        for task in background:
+            task.cancel()
+        if config.coordinator:
+            background.append(asyncio.create_task(deregister(config.coordinator, servicer.info())))
 
     def cleanup() -> None:
+        for task in background:
+            task.cancel()
         getattr(worker, "close", lambda: None)()
         transport.close()
 

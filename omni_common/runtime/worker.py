@@ -61,6 +61,10 @@ class Worker:
             torch.get_num_threads(),
         )
 
+    def load(self) -> int:
+        """The stage's load signal for routing; stages refine it."""
+        return self.in_flight
+
     async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the device's compute thread without blocking the event loop."""
         loop = asyncio.get_running_loop()
@@ -68,6 +72,18 @@ class Worker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class Progress:
+    """A step of a stage's work, as its worker reports it (the server turns it into a
+    StepProgress event, exporting the checkpoint's tensors)."""
+
+    step: int
+    total: int
+    step_ms: float = 0.0
+    preview_png: bytes = b""
+    checkpoint: StageState | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,8 @@ class StageCall:
     preview_every: int = 0
     # time.monotonic() after which the caller no longer wants the result; None = no deadline.
     deadline: float | None = None
+    checkpoint_every: int = 0
+    resume: StageState | None = None
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline

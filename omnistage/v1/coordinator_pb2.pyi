@@ -154,3 +154,9 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("lease_ms",)
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from omnistage.v1 import coordinator_pb2 as omnistage_dot_v1_dot_coordinator__pb2
+from omnistage.v1 import stage_pb2 as omnistage_dot_v1_dot_stage__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -23,6 +24,132 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class RegistryStub:
+    """The control plane: stage replicas register themselves and report their load. The first
+    heartbeat registers a replica; one that stops heartbeating for lease_ms is dropped; after
+    a coordinator restart, the next heartbeat registers it again.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Heartbeat = channel.unary_unary(
+                '/omnistage.v1.Registry/Heartbeat',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/omnistage.v1.Registry/Deregister',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+
+
+class RegistryServicer:
+    """The control plane: stage replicas register themselves and report their load. The first
+    heartbeat registers a replica; one that stops heartbeating for lease_ms is dropped; after
+    a coordinator restart, the next heartbeat registers it again.
+    """
+
+    def Heartbeat(self, request, context):
+        """Registers or refreshes a replica (its StageInfo, load included).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deregister(self, request, context):
+        """Removes a replica from routing at once (it is draining).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RegistryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.StageInfo.FromString,
+                    response_serializer=omnistage_dot_v1_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.StageInfo.FromString,
+                    response_serializer=omnistage_dot_v1_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'omnistage.v1.Registry', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('omnistage.v1.Registry', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Registry:
+    """The control plane: stage replicas register themselves and report their load. The first
+    heartbeat registers a replica; one that stops heartbeating for lease_ms is dropped; after
+    a coordinator restart, the next heartbeat registers it again.
+    """
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Registry/Heartbeat',
+            omnistage_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+            omnistage_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Registry/Deregister',
+            omnistage_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+            omnistage_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
 
 class CoordinatorStub:

@@ -30,7 +30,7 @@ class GenerationParams(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every")
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class StageRequest(_message.Message):
     PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: GenerationParams
     input: _tensor_pb2.StageState
@@ -45,19 +47,23 @@ class StageRequest(_message.Message):
     progress_every: int
     outputs: _containers.RepeatedScalarFieldContainer[str]
     preview_every: int
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ...) -> None: ...
+    checkpoint_every: int
+    resume: _tensor_pb2.StageState
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ...) -> None: ...
 
 class StepProgress(_message.Message):
-    __slots__ = ("step", "total", "step_ms", "preview_png")
+    __slots__ = ("step", "total", "step_ms", "preview_png", "checkpoint")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_PNG_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     step: int
     total: int
     step_ms: float
     preview_png: bytes
-    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ..., preview_png: _Optional[bytes] = ...) -> None: ...
+    checkpoint: _tensor_pb2.StageState
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ..., preview_png: _Optional[bytes] = ..., checkpoint: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ...) -> None: ...
 
 class StageEvent(_message.Message):
     __slots__ = ("step", "result")
@@ -80,7 +86,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth")
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +95,9 @@ class StageInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    IPC_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -97,4 +106,7 @@ class StageInfo(_message.Message):
     dtype: str
     address: str
     queue_depth: int
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    load: int
+    gpu_uuid: str
+    ipc_namespace: int
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ...) -> None: ...

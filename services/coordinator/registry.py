@@ -1,69 +1,108 @@
 """Stage replicas known to the coordinator and how one is picked for a request.
 
-Addresses come from configuration (several per stage, round robin over the healthy ones).
-Each replica describes itself through Stage.Info (model, host id, device), which decides
-the transport of every hop.
+Replicas come from two places: static addresses in the configuration (asked for their
+StageInfo every couple of seconds) and self-registration (each heartbeat is a lease; a
+replica that stops heartbeating is dropped). Routing takes the least-loaded healthy
+replica of a stage by the stage's own signal plus the calls this coordinator has in
+flight there, preferring one on the host that holds the request's data.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
 
 from omni_common.errors import InvalidArgument, NotFound, Unavailable
 from omni_common.runtime.rpc import aio_channel
-from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.coordinator")
 
 INFO_TIMEOUT_S = 2.0
+HEARTBEAT_LEASE_S = 3.0
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
     stage: str
     address: str
     stub: stage_pb2_grpc.StageStub
     info: stage_pb2.StageInfo | None = None
     failures: int = 0
+    in_flight: int = 0  # calls this coordinator has running there
+    expires_at: float | None = None  # heartbeat lease (None: static, refreshed by Info)
 
     @property
     def healthy(self) -> bool:
         return self.info is not None and self.failures == 0
 
+    def score(self, near_host: str) -> tuple[int, int, int]:
+        """Lower is better: same host first, then fewest calls in flight, then the stage's load."""
+        assert self.info is not None
+        return (0 if self.info.host_id == near_host else 1, self.in_flight, self.info.load)
+
 
 @dataclass
 class ReplicaPool:
-    """Replicas per stage; `refresh` asks each one for its Info."""
-
     replicas: dict[str, list[Replica]] = field(default_factory=dict)
-    _turn: dict[str, itertools.count[int]] = field(default_factory=dict)
 
     @classmethod
     def from_addresses(cls, addresses: dict[str, list[str]]) -> ReplicaPool:
         pool = cls()
         for stage, stage_addresses in addresses.items():
-            pool.replicas[stage] = [
-                Replica(stage, address, stage_pb2_grpc.StageStub(aio_channel(address)))
-                for address in stage_addresses
-            ]
-            pool._turn[stage] = itertools.count()
+            for address in stage_addresses:
+                pool._add(stage, address)
         return pool
 
+    def _add(self, stage: str, address: str) -> Replica:
+        replica = Replica(stage, address, stage_pb2_grpc.StageStub(aio_channel(address)))
+        self.replicas.setdefault(stage, []).append(replica)
+        return replica
+
+    def find(self, stage: str, address: str) -> Replica | None:
+        return next((r for r in self.replicas.get(stage, []) if r.address == address), None)
+
+    def register(self, info: stage_pb2.StageInfo) -> None:
+        """A heartbeat: add the replica or refresh its info and lease."""
+        replica = self.find(info.stage, info.address)
+        if replica is None:
+            replica = self._add(info.stage, info.address)
+            log.info(
+                "%s replica %s registered (model %s on %s)", info.stage, info.address, info.model, info.device
+            )
+        if replica.expires_at is not None or replica.info is None:
+            replica.expires_at = time.monotonic() + HEARTBEAT_LEASE_S
+        replica.info, replica.failures = info, 0
+
+    def deregister(self, stage: str, address: str) -> None:
+        replica = self.find(stage, address)
+        if replica is not None:
+            self.replicas[stage].remove(replica)
+            log.info("%s replica %s deregistered", stage, address)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for stage, replicas in self.replicas.items():
+            for replica in [r for r in replicas if r.expires_at is not None and r.expires_at < now]:
+                replicas.remove(replica)
+                log.warning("%s replica %s stopped heartbeating; dropped", stage, replica.address)
+
     async def refresh(self) -> None:
-        everyone = [replica for replicas in self.replicas.values() for replica in replicas]
-        await asyncio.gather(*(self._refresh_one(replica) for replica in everyone))
+        """Ask the static replicas for their Info; drop registered ones whose lease ran out."""
+        self.expire()
+        static = [r for replicas in self.replicas.values() for r in replicas if r.expires_at is None]
+        await asyncio.gather(*(self._refresh_one(replica) for replica in static))
 
     async def _refresh_one(self, replica: Replica) -> None:
         try:
             info = await replica.stub.Info(stage_pb2.StageInfoRequest(), timeout=INFO_TIMEOUT_S)
         except grpc.RpcError as err:
             if replica.failures == 0:
-                log.warning("%s replica %s unreachable: %s", replica.stage, replica.address, err)
+                log.warning("%s replica %s unreachable: %s", replica.stage, replica.address, err.code().name)
             replica.failures += 1
             return
         if info.stage != replica.stage:
@@ -76,7 +115,7 @@ class ReplicaPool:
             )
         replica.info, replica.failures = info, 0
 
-    async def keep_fresh(self, period_s: float = 2.0) -> None:
+    async def keep_fresh(self, period_s: float = 1.0) -> None:
         while True:
             await self.refresh()
             await asyncio.sleep(period_s)
@@ -107,13 +146,38 @@ class ReplicaPool:
             raise InvalidArgument(f"several models are served ({', '.join(served)}); name one")
         raise NotFound(f"unknown model {name[:100]!r}; served: {', '.join(served)}")
 
-    def pick(self, stage: str, model: str) -> Replica:
-        """Round robin over healthy replicas of `stage` serving `model`."""
+    def pick(
+        self, stage: str, model: str, *, near_host: str = "", avoid: frozenset[str] = frozenset()
+    ) -> Replica:
+        """The least-loaded healthy replica of `stage` serving `model`, not in `avoid`."""
         candidates = [
             r
             for r in self.replicas.get(stage, [])
-            if r.healthy and r.info is not None and r.info.model == model
+            if r.healthy and r.info is not None and r.info.model == model and r.address not in avoid
         ]
         if not candidates:
             raise Unavailable(f"no healthy {stage} replica serves {model!r}; retry later")
-        return candidates[next(self._turn[stage]) % len(candidates)]
+        return min(candidates, key=lambda r: r.score(near_host))
+
+
+class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
+    """Where replicas register and heartbeat."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+
+    async def Heartbeat(
+        self, request: stage_pb2.StageInfo, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.HeartbeatReply:
+        if request.stage not in ("ar-encoder", "dit-denoise", "vae-decode") or not request.address:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a heartbeat needs a known stage and an address"
+            )
+        self.pool.register(request)
+        return coordinator_pb2.HeartbeatReply(lease_ms=int(HEARTBEAT_LEASE_S * 1000))
+
+    async def Deregister(
+        self, request: stage_pb2.StageInfo, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.HeartbeatReply:
+        self.pool.deregister(request.stage, request.address)
+        return coordinator_pb2.HeartbeatReply()

@@ -23,7 +23,7 @@ from omni_common.validation import check_request_id, to_request, with_defaults
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.flow import RequestFlow
-from services.coordinator.registry import ReplicaPool
+from services.coordinator.registry import RegistryServicer, ReplicaPool
 
 log = logging.getLogger("omnistage.coordinator")
 
@@ -152,6 +152,7 @@ async def serve_coordinator(
     async def setup(server: grpc.aio.Server, address: str) -> None:
         transport.address = address
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        coordinator_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(pool), server)
         await pool.refresh()
         refresher.append(asyncio.create_task(pool.keep_fresh()))
 

@@ -23,14 +23,13 @@ from typing import Any, TypeVar
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.imaging import to_png
 from omni_common.models.base import DenoiserRunner, DenoiseState, StageState
-from omni_common.runtime.worker import StageCall
-from omnistage.v1 import stage_pb2
+from omni_common.runtime.worker import Progress, StageCall
 
 log = logging.getLogger("omnistage.dit-denoise")
 T = TypeVar("T")
 Compute = Callable[..., Awaitable[Any]]
 
-Event = stage_pb2.StepProgress | StageState | OmniError
+Event = Progress | StageState | OmniError
 
 
 @dataclass(eq=False)
@@ -76,7 +75,10 @@ class StepScheduler:
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
 
-    async def run(self, call: StageCall) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+    def queued_work(self) -> int:
+        return sum((job.state.total_steps - job.state.step_index) * job.tokens for job in self.jobs)
+
+    async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Admit one request and stream its progress, then its result."""
         if len(self.jobs) >= self.max_queue:
             wait_ms = max(1, round(self.queued_steps() / self.max_batch * self.step_ms))
@@ -85,6 +87,8 @@ class StepScheduler:
                 retry_after_ms=wait_ms,
             )
         state = await self.compute(self.runner.prepare, call.request, call.inputs)
+        if call.resume is not None:
+            await self.compute(self.runner.restore, state, call.resume)
         job = Job(call, state, image_tokens(call))
         self.jobs.append(job)
         self._ensure_loop()
@@ -190,10 +194,13 @@ class StepScheduler:
         state, call = job.state, job.call
         done = state.step_index
         every = max(call.progress_every, 1)
-        if done % every == 0 or done == state.total_steps:
-            progress = stage_pb2.StepProgress(step=done, total=state.total_steps, step_ms=step_ms)
+        checkpoint = call.checkpoint_every and done % call.checkpoint_every == 0 and done < state.total_steps
+        if done % every == 0 or done == state.total_steps or checkpoint:
+            progress = Progress(step=done, total=state.total_steps, step_ms=step_ms)
             if call.preview_every and (done % call.preview_every == 0 or done == state.total_steps):
                 progress.preview_png = await self.compute(_preview_png, self.runner, state)
+            if checkpoint:
+                progress.checkpoint = await self.compute(self.runner.checkpoint, state)
             job.events.put_nowait(progress)
         if self.runner.is_done(state):
             self.jobs.remove(job)

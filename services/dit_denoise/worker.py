@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.runtime.config import StageConfig
-from omni_common.runtime.worker import StageCall, Worker
-from omnistage.v1 import stage_pb2
+from omni_common.runtime.worker import Progress, StageCall, Worker
 from services.dit_denoise.scheduler import StepScheduler
 
 
@@ -28,10 +27,14 @@ class DenoiseWorker(Worker):
             max_queue=config.max_queue,
         )
 
+    def load(self) -> int:
+        """Remaining denoise steps times image tokens, over every request here."""
+        return self.scheduler.queued_work()
+
     def validate(self, request: GenerationRequest) -> None:
         self.family.validate(request)
 
-    async def run(self, call: StageCall) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+    async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         if "prompt_embeds" not in call.inputs.tensors:
             raise InvalidArgument("dit-denoise needs a 'prompt_embeds' input tensor")
         async for event in self.scheduler.run(call):

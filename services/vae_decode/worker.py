@@ -15,8 +15,7 @@ from omni_common.imaging import to_png, to_rgb8
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.runtime.batching import MicroBatcher
 from omni_common.runtime.config import StageConfig
-from omni_common.runtime.worker import StageCall, Worker
-from omnistage.v1 import stage_pb2
+from omni_common.runtime.worker import Progress, StageCall, Worker
 
 OUTPUTS = frozenset({"png", "rgb8", "image"})
 DEFAULT_OUTPUTS = frozenset({"png"})
@@ -26,6 +25,7 @@ class DecodeWorker(Worker):
     def __init__(self, config: StageConfig) -> None:
         super().__init__(config)
         self.runner = self.family.load_decoder(config.model_dir, self.device, self.dtype)
+        self.pending_pixels = 0
         self.batcher: MicroBatcher[tuple[StageState, frozenset[str]], StageState] = MicroBatcher(
             self._decode,
             name=self.stage,
@@ -44,7 +44,7 @@ class DecodeWorker(Worker):
             for image, (_, wanted) in zip(images, items, strict=True)
         ]
 
-    async def run(self, call: StageCall) -> AsyncIterator[stage_pb2.StepProgress | StageState]:
+    async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         if "latents" not in call.inputs.tensors:
             raise InvalidArgument("vae-decode needs a 'latents' input tensor")
         unknown = call.outputs - OUTPUTS
@@ -53,7 +53,15 @@ class DecodeWorker(Worker):
                 f"vae-decode has no output {sorted(unknown)[0][:50]!r}; choose from {sorted(OUTPUTS)}"
             )
         item = (call.inputs, call.outputs or DEFAULT_OUTPUTS)
-        yield await self.batcher.submit(item, deadline=call.deadline, label=call.request_id)
+        pixels = call.request.width * call.request.height
+        self.pending_pixels += pixels
+        try:
+            yield await self.batcher.submit(item, deadline=call.deadline, label=call.request_id)
+        finally:
+            self.pending_pixels -= pixels
+
+    def load(self) -> int:
+        return self.pending_pixels
 
     def close(self) -> None:
         self.batcher.close()

@@ -20,5 +20,5 @@ def process_cluster(
     # through shared memory, so both paths are checked across real processes.
     extra = {} if dtype == "float32" else {"OMNISTAGE_INLINE_BYTES": "0"}
     plan = loopback_plan(tiny_model, dtype, extra)
-    with LocalCluster(plan, log_dir=tmp_path_factory.mktemp(f"logs-{dtype}")):
-        yield plan[-1].health_address, dtype
+    with LocalCluster(plan, log_dir=tmp_path_factory.mktemp(f"logs-{dtype}")) as cluster:
+        yield cluster.coordinator, dtype

@@ -55,8 +55,8 @@ def digits_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Coordinator address of a float32 cluster of real processes serving the digits model."""
     assert (MODEL_DIR / "model_index.json").is_file(), "run training/train_digits.py first"
     plan = loopback_plan(MODEL_DIR, "float32")
-    with LocalCluster(plan, log_dir=tmp_path_factory.mktemp("logs-digits")):
-        yield plan[-1].health_address
+    with LocalCluster(plan, log_dir=tmp_path_factory.mktemp("logs-digits")) as cluster:
+        yield cluster.coordinator
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 def test_sigterm_mid_request_finishes_it_then_exits_clean(tiny_model: Path, tmp_path: Path) -> None:
     before = omnistage_segments()
     plan = loopback_plan(tiny_model)
-    address = plan[-1].health_address
     with LocalCluster(plan, log_dir=tmp_path) as cluster:
+        address = cluster.coordinator
         denoiser = cluster.processes["dit-denoise"]
         steps: list[int] = []
         outcome: list[object] = []

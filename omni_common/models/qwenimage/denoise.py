@@ -253,6 +253,27 @@ class QwenImageDenoiser:
         scaled = (rgb - low) / (high - low).clamp_min(1e-6)
         return (scaled.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
 
+    def checkpoint(self, state: DenoiseState) -> StageState:
+        """The latents and the step index: the rest (sigmas, timesteps) follows from the
+        request, and flow-matching Euler draws no noise after the first latents."""
+        assert isinstance(state, QwenImageDenoiseState)
+        return StageState({"latents": state.latents.clone()}, {"step_index": str(state.step_index)})
+
+    def restore(self, state: DenoiseState, checkpoint: StageState) -> None:
+        assert isinstance(state, QwenImageDenoiseState)
+        latents = checkpoint.tensors.get("latents")
+        try:
+            step_index = int(checkpoint.meta.get("step_index", ""))
+        except ValueError:
+            raise InvalidArgument("the checkpoint has no valid step_index") from None
+        if latents is None or latents.shape != state.latents.shape:
+            raise InvalidArgument("the checkpoint's latents do not fit this request")
+        if not 0 <= step_index <= state.total_steps:
+            raise InvalidArgument(f"the checkpoint's step_index {step_index} is out of range")
+        state.latents = latents.to(device=self.device, dtype=self.dtype)
+        state.step_index = step_index
+        state.scheduler.set_begin_index(step_index)
+
     def finish(self, state: DenoiseState) -> StageState:
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
         assert isinstance(state, QwenImageDenoiseState)

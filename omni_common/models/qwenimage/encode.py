@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
@@ -53,13 +54,7 @@ class QwenImageEncoder:
         """One forward for all `texts` (padded to the longest); per text its valid hidden
         states [L_i, D] without the system prefix."""
         drop = PROMPT_TEMPLATE_DROP
-        tokens = self.tokenizer(
-            [PROMPT_TEMPLATE.format(text) for text in texts],
-            max_length=TOKENIZER_MAX_LENGTH + drop,
-            padding=True,
-            truncation=True,
-            return_tensors="pt",
-        ).to(self.device)
+        tokens = template_tokens(self.tokenizer, texts, padding=True, return_tensors="pt").to(self.device)
         # `.model` skips the LM head: the hidden states are the same, the logits are not needed.
         outputs = self.text_encoder.model(
             input_ids=tokens.input_ids,
@@ -75,23 +70,15 @@ class QwenImageEncoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embeddings [B, L, D] padded with zeros to the longest text, and their int64 mask
         [B, L] (None when it is all ones, as diffusers returns it)."""
-        per_text = self._encode_each(texts)
-        length = max(e.size(0) for e in per_text)
-        embeds = torch.stack([torch.cat([e, e.new_zeros(length - e.size(0), e.size(1))]) for e in per_text])
-        embeds_mask = torch.stack(
-            [
-                torch.cat(
-                    [
-                        torch.ones(e.size(0), dtype=torch.long, device=e.device),
-                        torch.zeros(length - e.size(0), dtype=torch.long, device=e.device),
-                    ]
-                )
-                for e in per_text
-            ]
-        )
-        embeds = embeds[:, :max_sequence_length]
-        embeds_mask = embeds_mask[:, :max_sequence_length]
-        return embeds, (None if embeds_mask.all() else embeds_mask)
+        return pad_with_mask(self._encode_each(texts), max_sequence_length)
+
+    def embed_texts(self, texts: Sequence[str], *, alone: bool) -> list[torch.Tensor]:
+        """Per text its hidden states [L_i, D] without the system prefix (not yet cut to a
+        max_sequence_length). `alone`: each text in a forward of its own (diffusers' path,
+        bitwise the pipeline's); otherwise one padded forward for all of them."""
+        if alone:
+            return [self.encode_texts([text], TOKENIZER_MAX_LENGTH)[0][0] for text in texts]
+        return self._encode_each(texts)
 
     def encode(self, requests: Sequence[GenerationRequest]) -> list[StageState]:
         """Per request: "prompt_embeds" [1, L, D] and, with true CFG, "negative_prompt_embeds"
@@ -104,21 +91,67 @@ class QwenImageEncoder:
         """
         if not requests:
             return []
-        texts = [text for request in requests for text in _texts_of(request)]
-        if len(requests) == 1:
-            per_text = [self.encode_texts([text], requests[0].max_sequence_length)[0][0] for text in texts]
-        else:
-            per_text = self._encode_each(texts)
+        texts = [text for request in requests for text in texts_of(request)]
+        per_text = self.embed_texts(texts, alone=len(requests) == 1)
         states = []
         for request in requests:
-            tensors: dict[str, torch.Tensor] = {}
-            for name in ("prompt", "negative_prompt")[: len(_texts_of(request))]:
-                embeds = per_text.pop(0)[: request.max_sequence_length]
-                tensors[f"{name}_embeds"] = embeds.unsqueeze(0)
-            states.append(StageState(tensors=tensors))
+            n = len(texts_of(request))
+            states.append(state_from_embeddings(request, per_text[:n]))
+            del per_text[:n]
         return states
 
 
-def _texts_of(request: GenerationRequest) -> list[str]:
+# The pieces below are the family's encode recipe around the model forward; every encoder
+# backend (in-process torch above, vLLM in services/ar_encoder) shares them.
+
+
+def texts_of(request: GenerationRequest) -> list[str]:
     """The texts a request needs encoded: its prompt and, with true CFG, its negative prompt."""
     return [request.prompt, request.negative_prompt] if request.do_true_cfg else [request.prompt]
+
+
+def template_tokens(tokenizer: Qwen2Tokenizer, texts: Sequence[str], **kwargs: Any) -> Any:
+    """`texts` put into the chat template and tokenized as the pipeline does (truncated to
+    TOKENIZER_MAX_LENGTH tokens after the system prefix); kwargs go to the tokenizer."""
+    return tokenizer(
+        [PROMPT_TEMPLATE.format(text) for text in texts],
+        max_length=TOKENIZER_MAX_LENGTH + PROMPT_TEMPLATE_DROP,
+        truncation=True,
+        **kwargs,
+    )
+
+
+def pad_with_mask(
+    per_text: Sequence[torch.Tensor], max_sequence_length: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-text states [L_i, D] as embeddings [B, L, D] padded with zeros to the longest, and
+    their int64 mask [B, L] (None when it is all ones, as diffusers returns it)."""
+    length = max(e.size(0) for e in per_text)
+    embeds = torch.stack([torch.cat([e, e.new_zeros(length - e.size(0), e.size(1))]) for e in per_text])
+    embeds_mask = torch.stack(
+        [
+            torch.cat(
+                [
+                    torch.ones(e.size(0), dtype=torch.long, device=e.device),
+                    torch.zeros(length - e.size(0), dtype=torch.long, device=e.device),
+                ]
+            )
+            for e in per_text
+        ]
+    )
+    embeds = embeds[:, :max_sequence_length]
+    embeds_mask = embeds_mask[:, :max_sequence_length]
+    return embeds, (None if embeds_mask.all() else embeds_mask)
+
+
+def state_from_embeddings(request: GenerationRequest, per_text: Sequence[torch.Tensor]) -> StageState:
+    """The stage output of one request from its texts' states (in `texts_of` order), each cut
+    to the request's max_sequence_length: "prompt_embeds" [1, L, D] and, with true CFG,
+    "negative_prompt_embeds" [1, L', D]."""
+    names = ("prompt", "negative_prompt")[: len(per_text)]
+    return StageState(
+        tensors={
+            f"{name}_embeds": embeds[: request.max_sequence_length].unsqueeze(0)
+            for name, embeds in zip(names, per_text, strict=True)
+        }
+    )
