@@ -23,10 +23,16 @@ fi
 case "${OMNISTAGE_VLLM:-0}" in
   0|"") ;;
   1|cpu)
-    .venv/bin/python -m pip install -q -e ".[dev,vllm]"
+    if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+      .venv/bin/python -m pip install -q -e ".[dev,vllm]"
+    fi
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
-  cuda) .venv/bin/python -m pip install -q vllm ;;
+  cuda)
+    if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+      .venv/bin/python -m pip install -q vllm
+    fi
+    ;;
   *) echo "OMNISTAGE_VLLM must be 0, 1/cpu or cuda" >&2; exit 2 ;;
 esac
 

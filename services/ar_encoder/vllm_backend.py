@@ -19,7 +19,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
@@ -50,6 +50,13 @@ _QWEN2_KEYS = (
     "sliding_window",
     "max_window_layers",
 )
+
+
+_VLLM_DTYPES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
 
 
 class EngineStartError(RuntimeError):
@@ -136,7 +143,7 @@ class VllmTextEncoder:
             model=str(self._export),
             runner="pooling",
             pooler_config=PoolerConfig(task="token_embed", use_activation=False),
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=_VLLM_DTYPES[dtype],
             max_model_len=TOKENIZER_MAX_LENGTH + PROMPT_TEMPLATE_DROP,
             # Every prompt shares the system prefix; cached prefix blocks would skip its states.
             enable_prefix_caching=False,

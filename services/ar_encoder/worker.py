@@ -53,7 +53,9 @@ class EncoderWorker(Worker):
                 "(CPU) or `pip install vllm` (CUDA); see README"
             )
         try:
-            encoder = VllmTextEncoder(config.model_dir, self.dtype, memory_fraction=config.vllm_memory_fraction)
+            encoder = VllmTextEncoder(
+                config.model_dir, self.dtype, memory_fraction=config.vllm_memory_fraction
+            )
         except EngineStartError as exc:
             raise SystemExit(f"ar-encoder: {exc}") from exc
         return VllmBackend(encoder, max_queue=config.max_queue)

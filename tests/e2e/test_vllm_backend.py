@@ -34,7 +34,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def generate(model: Path, backend: str, logs: Path) -> np.ndarray:  # type: ignore[type-arg]
     plan = loopback_plan(model, "float32", {"OMNISTAGE_BACKEND": backend})
-    with LocalCluster(plan, log_dir=logs), Client(plan[-1].health_address) as client:
+    with LocalCluster(plan, log_dir=logs) as cluster, Client(cluster.coordinator) as client:
         image = client.generate(
             "a red cat sitting on a blue mat",
             negative_prompt=" ",
@@ -57,9 +57,7 @@ def test_cluster_with_vllm_backend_gives_the_torch_image(
     assert np.array_equal(with_vllm, with_torch)
 
 
-def test_engine_start_failure_is_a_clear_error_and_never_healthy(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def test_engine_start_failure_is_a_clear_error_and_never_healthy(tiny_model: Path, tmp_path: Path) -> None:
     """A model whose text encoder has no weights: vLLM's engine fails while loading."""
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model, broken)
