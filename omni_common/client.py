@@ -27,6 +27,7 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+STAGES = frozenset({"ar-encoder", "dit-denoise", "vae-decode"})
 
 
 def generate_request(
@@ -163,11 +164,11 @@ class Client:
         self._channel.close()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the coordinator answers and serves at least one model."""
+        """Block until the coordinator answers and routes some model through every stage."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if self.list_models():
+                if any(set(m.replicas) >= STAGES for m in self.list_models()):
                     return
             except OmniError:
                 pass

@@ -5,11 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-PROMPT=${1:-"a red apple on a wooden table"}
+PROMPT=${1:-"a handwritten digit seven"}
 OUT=${OUT:-out/demo.png}
 
 .venv/bin/omnistage cluster up --logs out/logs &
 CLUSTER=$!
 trap 'kill -INT $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
-.venv/bin/omnistage generate "$PROMPT" -o "$OUT" --width 256 --height 256 --steps 20 \
-  --wait-ready 300
+# The default model (models/qwen-image-digits) draws 32x32 digits; ask for others by name.
+.venv/bin/omnistage generate "$PROMPT" -o "$OUT" --width 32 --height 32 --steps 20 \
+  --guidance 1 --seed "${SEED:-0}" --wait-ready 300

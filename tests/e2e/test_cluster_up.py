@@ -4,7 +4,6 @@ Ctrl-C leaves no process and no shared-memory segment behind."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,27 +40,23 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_cluster_up_generates_and_ctrl_c_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    models = tmp_path / "models"
-    shutil.copytree(tiny_model, models / "qwen-image-tiny")
+def test_cluster_up_serves_the_default_model_scaled_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
     before = omnistage_segments()
-    env = {**os.environ, "OMNISTAGE_MODELS": str(models)}
     cli = [sys.executable, "-m", "omni_common.cli"]
+    compose = str(REPO / "docker-compose.yml")
+    up = [
+        *cli,
+        "cluster",
+        "up",
+        "--compose",
+        compose,
+        "--logs",
+        str(tmp_path / "logs"),
+        "--scale",
+        "dit-denoise=2",
+    ]
     launcher = subprocess.Popen(
-        [
-            *cli,
-            "cluster",
-            "up",
-            "--compose",
-            str(REPO / "docker-compose.yml"),
-            "--logs",
-            str(tmp_path / "logs"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        up, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
         assert launcher.stdout is not None
@@ -74,33 +69,34 @@ def test_cluster_up_generates_and_ctrl_c_leaves_nothing(tiny_model: Path, tmp_pa
                 break
         assert "cluster ready" in lines[-1], "".join(lines)
         services = children_of(launcher.pid)
-        assert len(services) == 4
+        assert len(services) == 5  # coordinator, encoder, two DiT replicas, VAE
 
-        out = tmp_path / "cat.png"
+        out = tmp_path / "seven.png"
+        args = [
+            "-o",
+            str(out),
+            "--width",
+            "32",
+            "--height",
+            "32",
+            "--steps",
+            "20",
+            "--guidance",
+            "1",
+            "--quiet",
+        ]
         done = subprocess.run(
-            [
-                *cli,
-                "generate",
-                "a cat",
-                "-o",
-                str(out),
-                "--width",
-                "64",
-                "--height",
-                "64",
-                "--steps",
-                "3",
-                "--quiet",
-            ],
-            env=env,
+            [*cli, "generate", "a handwritten digit seven", *args],
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
-        assert f"saved {out}" in done.stdout and out.stat().st_size > 0
+        assert f"saved {out}" in done.stdout and out.read_bytes().startswith(b"\x89PNG")
         with Client("127.0.0.1:50051") as client:
-            assert [m.name for m in client.list_models()] == ["qwen-image-tiny"]
+            (model,) = client.list_models()
+            assert model.name == "qwen-image-digits"
+            assert dict(model.replicas) == {"ar-encoder": 1, "dit-denoise": 2, "vae-decode": 1}
     finally:
         launcher.send_signal(signal.SIGINT)
         launcher.wait(90)
