@@ -103,17 +103,22 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="requests per client per level")
+    parser.add_argument("--stage-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra stage env")
+    parser.add_argument("--skip-diffusers", action="store_true")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_fixture(Path(tmp) / "qwen-image-tiny")
         pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        plan = loopback_plan(model, extra_env={"OMNISTAGE_MAX_BATCH": "16"})
+        extra = dict(item.split("=", 1) for item in args.stage_env)
+        plan = loopback_plan(model, extra_env={"OMNISTAGE_MAX_BATCH": "16", **extra})
         with LocalCluster(plan, log_dir=Path(tmp) / "logs") as cluster:
             address = cluster.coordinator
             for size in args.sizes:
-                base = diffusers_sides(pipe, size, args.steps, n=8)
+                base = {"one_at_a_time": float("nan"), "one_batch": float("nan")}
+                if not args.skip_diffusers:
+                    base = diffusers_sides(pipe, size, args.steps, n=8)
                 for side, ips in base.items():
                     emit(size=size, side=f"diffusers_{side}", batch=8, images_per_s=round(ips, 3))
                 at8 = None

@@ -65,7 +65,9 @@ def main() -> None:
         model = build_tiny_fixture(Path(tmp) / "qwen-image-tiny")
         pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        plan = loopback_plan(model)
+        # One request at a time runs one stage at a time: give each stage every core, as a
+        # latency-minded deployment would (the launcher's default splits the cores).
+        plan = loopback_plan(model, extra_env={"OMNISTAGE_THREADS": str(torch.get_num_threads())})
         with LocalCluster(plan, log_dir=Path(tmp) / "logs") as cluster, Client(cluster.coordinator) as client:
             for size in args.sizes:
 
