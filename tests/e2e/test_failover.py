@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 # Batches differ between the uninterrupted and the resumed run, so results agree up to
 # float rounding of batched forwards (~1e-6 on latents), far below one 8-bit level.
 IMAGE_TOL = 1e-4
-REQUEST = {"width": 64, "height": 64, "steps": 40, "return_tensor": True}
+# Long enough that the requests are still denoising a second after they start.
+REQUEST = {"width": 64, "height": 64, "steps": 200, "return_tensor": True}
 
 
 def generate_all(address: str, seeds: list[int], results: dict[int, object]) -> list[threading.Thread]:
@@ -43,15 +44,16 @@ def test_killed_dit_replica_requests_resume_elsewhere_with_equal_images(
 ) -> None:
     before = omnistage_segments()
     seeds = list(range(8))
-    with LocalCluster(loopback_plan(tiny_model), log_dir=tmp_path) as cluster:
+    plan = loopback_plan(tiny_model, replicas={"dit-denoise": 2})
+    with LocalCluster(plan, log_dir=tmp_path) as cluster:
         expected: dict[int, object] = {}
         for thread in generate_all(cluster.coordinator, seeds, expected):
             thread.join(120)
 
         results: dict[int, object] = {}
         threads = generate_all(cluster.coordinator, seeds, results)
-        time.sleep(1.0)  # all 8 now run on the only DiT replica
-        cluster.add(stage_process("dit-denoise", tiny_model, cluster.coordinator, "dit-denoise-2"))
+        time.sleep(1.0)  # the 8 requests are spread over both DiT replicas, mid-denoising
+        assert not results, "the requests finished before the kill: make them longer"
         cluster.processes["dit-denoise"].send_signal(signal.SIGKILL)
         for thread in threads:
             thread.join(120)
