@@ -67,6 +67,10 @@ class AlreadyExists(OmniError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class FailedPrecondition(OmniError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 _BY_CODE: dict[grpc.StatusCode, type[OmniError]] = {
     cls.code: cls
     for cls in (
@@ -80,6 +84,7 @@ _BY_CODE: dict[grpc.StatusCode, type[OmniError]] = {
         DeadlineExceeded,
         Cancelled,
         AlreadyExists,
+        FailedPrecondition,
     )
 }
 

@@ -6,13 +6,31 @@ registered by name in `omni_common.models.registry`. Workers only see these prot
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+MODULE_ROLES = ("dit", "encoder", "vae", "resident")
+
+
+@dataclass(frozen=True)
+class ModuleDeclaration:
+    """A family's torch modules by role, as dotted paths relative to a stage's runner (e.g.
+    "transformer.img_in"). Sleep moves every declared module's weights except those of
+    `resident` modules (small ones that must stay on the device); `layers` name module lists
+    (transformer blocks) that layerwise offload streams through the device one at a time."""
+
+    roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    layers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.roles) - set(MODULE_ROLES)
+        if unknown:
+            raise ValueError(f"unknown module roles {sorted(unknown)}; roles are {MODULE_ROLES}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,8 @@ class ModelFamily(Protocol):
     """A family of models served by omnistage, e.g. "qwenimage"."""
 
     name: str
+    # What sleep/wake and offload move; None makes workers scan runner attributes instead.
+    modules: ModuleDeclaration | None
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise omni_common.errors.InvalidArgument for requests the family cannot serve."""

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STAGES = ("ar-encoder", "dit-denoise", "vae-decode")
+# How stages that share a device share its memory (one setting per deployment, read by the
+# coordinator and every stage): none = all resident; swap = the coordinator sleeps and wakes
+# whole stages around their calls; layerwise = the DiT streams its blocks through the device.
+OFFLOAD_POLICIES = ("none", "swap", "layerwise")
 DEFAULT_PORTS = {"coordinator": 50051, "ar-encoder": 50061, "dit-denoise": 50062, "vae-decode": 50063}
 
 
@@ -42,6 +46,7 @@ class StageConfig:
     cache_bytes: int = 256 * 1024 * 1024
     cache_bypass: bool = False
     vllm_memory_fraction: float = 0.1
+    offload: str = "none"
 
     @property
     def bind_address(self) -> str:
@@ -59,6 +64,9 @@ class CoordinatorConfig:
     stage_timeout_s: float = 600.0
     max_pixels: int = 4 * 1024 * 1024
     max_in_flight: int = 256
+    offload: str = "none"
+    # swap: weight bytes that may be awake at once on one device; 0 = 90% of its memory.
+    device_memory_budget: int = 0
 
     @property
     def bind_address(self) -> str:
@@ -76,6 +84,13 @@ def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
         type=int,
         default=int(env("MAX_PIXELS", str(4 * 1024 * 1024))),
         help="largest width*height served",
+    )
+    parser.add_argument(
+        "--offload",
+        default=env("OFFLOAD", "none"),
+        choices=OFFLOAD_POLICIES,
+        help="device memory policy of the deployment: none, swap (whole stages take turns) or "
+        "layerwise (the DiT streams its blocks)",
     )
 
 
@@ -180,6 +195,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         vllm_memory_fraction=args.vllm_memory_fraction,
         max_pixels=args.max_pixels,
         advertise_host=args.advertise_host,
+        offload=args.offload,
     )
 
 
@@ -199,6 +215,12 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         default=int(env("MAX_IN_FLIGHT", "256")),
         help="requests in flight; more are refused with RESOURCE_EXHAUSTED",
     )
+    parser.add_argument(
+        "--device-memory-budget",
+        type=int,
+        default=int(env("DEVICE_MEMORY_BUDGET", "0")),
+        help="--offload swap: weight bytes awake at once per device (0 = 90%% of its memory)",
+    )
 
 
 def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
@@ -214,4 +236,6 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         stage_timeout_s=args.stage_timeout,
         max_pixels=args.max_pixels,
         max_in_flight=args.max_in_flight,
+        offload=args.offload,
+        device_memory_budget=args.device_memory_budget,
     )

@@ -36,16 +36,18 @@ async def serve(
     grace_s: float = 30.0,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    health_servicer: health.aio.HealthServicer | None = None,
 ) -> None:
     """Bind, call `setup(server, bound_address)`, serve until a signal or `stop` is set.
 
     Draining keeps the server up (so peers can still fetch and release this process's
     tensors) until `is_idle()` or `grace_s` has passed; then the server stops and
-    `on_stop` frees what is left. `ready(address)` is called once the server accepts calls
-    (tests bind port 0).
+    `on_stop` frees what is left. The health service answers for "" (the process) and for
+    whatever entries the service sets on `health_servicer`. `ready(address)` is called once
+    the server accepts calls (tests bind port 0).
     """
     server = aio_server()
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(bind_address)
     if port == 0:

@@ -11,17 +11,20 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 import grpc
 import torch
+from grpc_health.v1 import health
 
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.memory import Transition
 from omni_common.runtime.registration import deregister, gpu_uuid, ipc_namespace, keep_registered
 from omni_common.runtime.serve import serve
+from omni_common.runtime.stage_control import StageControlServicer
 from omni_common.runtime.worker import Progress, StageCall
 from omni_common.transport import TensorTransport, add_tensor_store
 from omni_common.validation import check_request_id, to_request
@@ -39,10 +42,24 @@ class StageWorker(Protocol):
     device: torch.device
     dtype: torch.dtype
     in_flight: int
+    weight_bytes: int
+    on_memory_change: Callable[[], Awaitable[None]] | None
+
+    @property
+    def awake(self) -> bool: ...
+
+    @property
+    def device_memory_bytes(self) -> int: ...
 
     def load(self) -> int:
         """The stage's own load signal (StageInfo.load)."""
         ...
+
+    async def ensure_awake(self) -> None: ...
+
+    async def sleep(self, level: int) -> Transition: ...
+
+    async def wake(self) -> Transition: ...
 
     def validate(self, request: GenerationRequest) -> None: ...
 
@@ -88,6 +105,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             load=self.worker.load(),
             gpu_uuid=gpu_uuid(self.worker.device),
             ipc_namespace=ipc_namespace(),
+            asleep=not self.worker.awake,
+            weight_bytes=self.worker.weight_bytes,
+            device_memory_bytes=self.worker.device_memory_bytes,
         )
 
     async def Info(
@@ -134,6 +154,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.worker.in_flight += 1
         try:
             gen = self._check(request)
+            await self.worker.ensure_awake()
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 raise DeadlineExceeded(f"request {rid}: the deadline passed before {self.worker.stage}")
@@ -212,6 +233,8 @@ async def serve_stage(
     )
     worker = make_worker(config)
     servicer = StageServicer(worker, transport, config.max_pixels)
+    health_servicer = health.aio.HealthServicer()
+    control = StageControlServicer(worker, health_servicer)
     background: list[asyncio.Task[None]] = []
 
     async def setup(server: grpc.aio.Server, address: str) -> None:
@@ -219,6 +242,8 @@ async def serve_stage(
         host = config.advertise_host or (_own_ip() if host == "0.0.0.0" else host)
         transport.address = f"{host}:{port}"
         stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
+        stage_pb2_grpc.add_StageControlServicer_to_server(control, server)
+        await control.publish()
         add_tensor_store(server, transport)
         if config.coordinator:
             background.append(asyncio.create_task(keep_registered(config.coordinator, servicer.info)))
@@ -248,4 +273,5 @@ async def serve_stage(
         on_stop=cleanup,
         ready=ready,
         stop=stop,
+        health_servicer=health_servicer,
     )

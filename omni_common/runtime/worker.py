@@ -1,8 +1,10 @@
 """Worker base: the infrastructure of one device, shared by every stage.
 
 It picks the device and dtype, sets the thread count, owns the single compute thread (one
-model forward at a time per device, so the event loop stays free for RPCs) and loads the
-model family. Stage workers (services/<stage>/worker.py) add their runner on top.
+model forward at a time per device, so the event loop stays free for RPCs), loads the
+model family, and owns the device memory of the weights: sleep/wake and layerwise offload of
+the modules the family declares. Stage workers (services/<stage>/worker.py) add their
+runner on top and hand it to `manage_memory`.
 """
 
 from __future__ import annotations
@@ -10,21 +12,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
+from omni_common.errors import FailedPrecondition, InvalidArgument
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
+from omni_common.runtime.offload import LayerwiseOffload
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The module role a stage's runner holds when its family declares none.
+STAGE_ROLES = {"ar-encoder": "encoder", "dit-denoise": "dit", "vae-decode": "vae"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -51,6 +58,12 @@ class Worker:
         self.model_name = config.model_name or model_name_for_dir(config.model_dir)
         self.in_flight = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-compute")
+        self.modules = StageModules({}, [])
+        self.weight_bytes = 0
+        self.sleeper = WeightSleeper(self.modules, self.device)
+        self.layerwise: list[LayerwiseOffload] = []
+        self._memory_lock = asyncio.Lock()  # one sleep/wake at a time, none under a new call
+        self.on_memory_change: Callable[[], Awaitable[None]] | None = None  # e.g. health
         log.info(
             "%s: model %s (%s) on %s in %s, %d threads",
             self.stage,
@@ -65,6 +78,76 @@ class Worker:
         """The stage's load signal for routing; stages refine it."""
         return self.in_flight
 
+    def manage_memory(self, runner: object, reload: Callable[[], object] | None = None) -> None:
+        """Find the runner's modules from the family's declaration, for sleep/wake and (with
+        `--offload layerwise`) layerwise offload. `reload` builds a fresh runner (sleep level 2)."""
+        role = STAGE_ROLES[self.stage]
+        self.modules = discover_modules(runner, self.family.modules, role)
+        self.weight_bytes = self.modules.weight_bytes()
+
+        def reloaded() -> dict[str, torch.Tensor]:
+            assert reload is not None
+            return dict(discover_modules(reload(), self.family.modules, role).named_weights())
+
+        self.sleeper = WeightSleeper(self.modules, self.device, reload=reloaded if reload else None)
+        if self.config.offload == "layerwise":
+            self.layerwise = [LayerwiseOffload(blocks, self.device) for _, blocks in self.modules.layers]
+            for (path, _), offload in zip(self.modules.layers, self.layerwise, strict=True):
+                log.info(
+                    "%s: %s offloaded layerwise, %.1f MB per block",
+                    self.stage,
+                    path,
+                    offload.block_bytes / 1e6,
+                )
+
+    @property
+    def awake(self) -> bool:
+        return self.sleeper.awake
+
+    @property
+    def device_memory_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    async def sleep(self, level: int) -> Transition:
+        """Free the device memory of the weights (level 1: to host memory; 2: dropped)."""
+        if level not in (1, 2):
+            raise InvalidArgument(f"sleep level is {level}; it must be 1 or 2")
+        if level == 2 and self.sleeper.reload is None:
+            raise InvalidArgument(f"{self.stage} cannot reload its weights; use sleep level 1")
+        if level == 2 and self.layerwise:
+            raise InvalidArgument("layerwise offload keeps the blocks in host memory; use sleep level 1")
+        async with self._memory_lock:
+            if self.in_flight:
+                raise FailedPrecondition(
+                    f"{self.stage} has {self.in_flight} calls in flight; it can sleep once they finish"
+                )
+            done = await self.compute(self.sleeper.sleep, level)
+        await self._changed()
+        if done.nbytes:
+            log.info(
+                "%s: asleep (level %d), %.1f MB in %.3f s", self.stage, level, done.nbytes / 1e6, done.seconds
+            )
+        return done
+
+    async def wake(self) -> Transition:
+        async with self._memory_lock:
+            done = await self.compute(self.sleeper.wake)
+        await self._changed()
+        if done.nbytes:
+            log.info("%s: awake, %.1f MB in %.3f s", self.stage, done.nbytes / 1e6, done.seconds)
+        return done
+
+    async def _changed(self) -> None:
+        if self.on_memory_change is not None:
+            await self.on_memory_change()
+
+    async def ensure_awake(self) -> None:
+        """Wake before serving a call (when the offload policy did not)."""
+        if not self.sleeper.awake or self._memory_lock.locked():
+            await self.wake()
+
     async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the device's compute thread without blocking the event loop."""
         loop = asyncio.get_running_loop()
@@ -72,6 +155,8 @@ class Worker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        for offload in self.layerwise:
+            offload.close()
 
 
 @dataclass

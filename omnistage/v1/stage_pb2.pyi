@@ -86,7 +86,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace")
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,9 @@ class StageInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     IPC_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -109,4 +112,29 @@ class StageInfo(_message.Message):
     load: int
     gpu_uuid: str
     ipc_namespace: int
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ...) -> None: ...
+    asleep: bool
+    weight_bytes: int
+    device_memory_bytes: int
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class WakeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemoryTransition(_message.Message):
+    __slots__ = ("level", "bytes", "seconds", "awake")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AWAKE_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    bytes: int
+    seconds: float
+    awake: bool
+    def __init__(self, level: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., awake: _Optional[bool] = ...) -> None: ...

@@ -147,3 +147,131 @@ class Stage:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class StageControlStub:
+    """Memory control of a replica, driven by the coordinator's offload policy. A stage that gets
+    a Run call while asleep wakes by itself first, so no request is lost to a missed Wake.
+    The health service's "omnistage.awake" entry is SERVING while awake, NOT_SERVING asleep.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Sleep = channel.unary_unary(
+                '/omnistage.v1.StageControl/Sleep',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.SleepRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.MemoryTransition.FromString,
+                _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/omnistage.v1.StageControl/Wake',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.WakeRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.MemoryTransition.FromString,
+                _registered_method=True)
+
+
+class StageControlServicer:
+    """Memory control of a replica, driven by the coordinator's offload policy. A stage that gets
+    a Run call while asleep wakes by itself first, so no request is lost to a missed Wake.
+    The health service's "omnistage.awake" entry is SERVING while awake, NOT_SERVING asleep.
+    """
+
+    def Sleep(self, request, context):
+        """Frees the device memory of the weights. FAILED_PRECONDITION while the replica has calls
+        in flight (their tensors are in use); INVALID_ARGUMENT for a level other than 1 or 2 or a
+        level the replica cannot do (2 with layerwise offload). Sleeping twice is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
+        """Puts the weights back on the device; a no-op when awake.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StageControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.SleepRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.MemoryTransition.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.WakeRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.MemoryTransition.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'omnistage.v1.StageControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('omnistage.v1.StageControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StageControl:
+    """Memory control of a replica, driven by the coordinator's offload policy. A stage that gets
+    a Run call while asleep wakes by itself first, so no request is lost to a missed Wake.
+    The health service's "omnistage.awake" entry is SERVING while awake, NOT_SERVING asleep.
+    """
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/Sleep',
+            omnistage_dot_v1_dot_stage__pb2.SleepRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.MemoryTransition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/Wake',
+            omnistage_dot_v1_dot_stage__pb2.WakeRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.MemoryTransition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -34,6 +34,9 @@ class EncoderWorker(Worker):
         else:
             runner = self.family.load_encoder(config.model_dir, self.device, self.dtype)
             assert isinstance(runner, QwenImageEncoder)
+            self.manage_memory(
+                runner, reload=lambda: self.family.load_encoder(config.model_dir, self.device, self.dtype)
+            )
             backend = TorchBackend(
                 runner,
                 self.compute,

@@ -14,6 +14,7 @@ gone), and the image equals the uninterrupted one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from omni_common.runtime.rpc import CHUNK_BYTES
 from omni_common.transport import TensorTransport, release_remote, sweep_stale_segments
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
+from services.coordinator.offload import SwapPolicy
 from services.coordinator.registry import Replica, ReplicaPool
 
 log = logging.getLogger("omnistage.coordinator")
@@ -114,9 +116,15 @@ class RequestFlow:
     """Runs requests over a ReplicaPool; one instance per coordinator."""
 
     def __init__(
-        self, pool: ReplicaPool, transport: TensorTransport, stage_timeout_s: float, checkpoint_every: int = 5
+        self,
+        pool: ReplicaPool,
+        transport: TensorTransport,
+        stage_timeout_s: float,
+        checkpoint_every: int = 5,
+        offload: SwapPolicy | None = None,
     ) -> None:
         self.pool = pool
+        self.offload = offload
         self.transport = transport
         self.stage_timeout_s = stage_timeout_s
         self.checkpoint_every = checkpoint_every
@@ -212,12 +220,13 @@ class RequestFlow:
         result: stage_pb2.StageResult | None = None
         replica.in_flight += 1
         try:
-            async for event in replica.stub.Run(request, timeout=timeout):
-                if event.HasField("step"):
-                    await self._on_step(req, replica, event.step)
-                elif event.HasField("result"):
-                    result = event.result
-                    req.leases.add(replica.address, result.output)
+            async with self.offload.turn(replica) if self.offload else contextlib.nullcontext():
+                async for event in replica.stub.Run(request, timeout=timeout):
+                    if event.HasField("step"):
+                        await self._on_step(req, replica, event.step)
+                    elif event.HasField("result"):
+                        result = event.result
+                        req.leases.add(replica.address, result.output)
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(
                 err

@@ -30,6 +30,7 @@ HEARTBEAT_LEASE_S = 3.0
 class Replica:
     stage: str
     address: str
+    channel: grpc.aio.Channel
     stub: stage_pb2_grpc.StageStub
     info: stage_pb2.StageInfo | None = None
     failures: int = 0
@@ -59,7 +60,8 @@ class ReplicaPool:
         return pool
 
     def _add(self, stage: str, address: str) -> Replica:
-        replica = Replica(stage, address, stage_pb2_grpc.StageStub(aio_channel(address)))
+        channel = aio_channel(address)
+        replica = Replica(stage, address, channel, stage_pb2_grpc.StageStub(channel))
         self.replicas.setdefault(stage, []).append(replica)
         return replica
 

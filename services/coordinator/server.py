@@ -23,6 +23,7 @@ from omni_common.validation import check_request_id, to_request, with_defaults
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.flow import RequestFlow
+from services.coordinator.offload import SwapPolicy
 from services.coordinator.registry import RegistryServicer, ReplicaPool
 
 log = logging.getLogger("omnistage.coordinator")
@@ -33,7 +34,8 @@ _DONE = None
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, pool: ReplicaPool, transport: TensorTransport, config: CoordinatorConfig) -> None:
         self.pool = pool
-        self.flow = RequestFlow(pool, transport, config.stage_timeout_s)
+        offload = SwapPolicy(pool, config.device_memory_budget) if config.offload == "swap" else None
+        self.flow = RequestFlow(pool, transport, config.stage_timeout_s, offload=offload)
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight
         self.in_flight: dict[str, asyncio.Task[None]] = {}

@@ -19,6 +19,9 @@ class DenoiseWorker(Worker):
     def __init__(self, config: StageConfig) -> None:
         super().__init__(config)
         self.runner = self.family.load_denoiser(config.model_dir, self.device, self.dtype)
+        self.manage_memory(
+            self.runner, reload=lambda: self.family.load_denoiser(config.model_dir, self.device, self.dtype)
+        )
         self.scheduler = StepScheduler(
             self.runner,
             self.compute,

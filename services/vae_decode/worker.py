@@ -25,6 +25,9 @@ class DecodeWorker(Worker):
     def __init__(self, config: StageConfig) -> None:
         super().__init__(config)
         self.runner = self.family.load_decoder(config.model_dir, self.device, self.dtype)
+        self.manage_memory(
+            self.runner, reload=lambda: self.family.load_decoder(config.model_dir, self.device, self.dtype)
+        )
         self.pending_pixels = 0
         self.batcher: MicroBatcher[tuple[StageState, frozenset[str]], StageState] = MicroBatcher(
             self._decode,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_common.client import Client
+from omni_common.client import Client, ResultBuilder
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError
 from tests.conftest import omnistage_segments
@@ -25,11 +25,20 @@ IMAGE_TOL = 1e-4
 REQUEST = {"width": 64, "height": 64, "steps": 200, "return_tensor": True}
 
 
-def generate_all(address: str, seeds: list[int], results: dict[int, object]) -> list[threading.Thread]:
+def generate_all(
+    address: str, seeds: list[int], results: dict[int, object], denoising: threading.Semaphore | None = None
+) -> list[threading.Thread]:
+    """One thread per seed; `denoising` is released once per request at its first step."""
+
     def one(seed: int) -> None:
         with Client(address) as client:
+            builder = ResultBuilder()
             try:
-                results[seed] = client.generate_result(f"prompt {seed}", seed=seed, **REQUEST).tensor
+                for event in client.events(f"prompt {seed}", seed=seed, **REQUEST):
+                    if event.HasField("step") and event.step.step == 1 and denoising is not None:
+                        denoising.release()
+                    builder.add(event)
+                results[seed] = builder.build().tensor
             except OmniError as err:
                 results[seed] = err
 
@@ -51,8 +60,10 @@ def test_killed_dit_replica_requests_resume_elsewhere_with_equal_images(
             thread.join(120)
 
         results: dict[int, object] = {}
-        threads = generate_all(cluster.coordinator, seeds, results)
-        time.sleep(1.0)  # the 8 requests are spread over both DiT replicas, mid-denoising
+        denoising = threading.Semaphore(0)
+        threads = generate_all(cluster.coordinator, seeds, results, denoising)
+        for _ in seeds:  # every request is denoising, spread over both replicas
+            assert denoising.acquire(timeout=120)
         assert not results, "the requests finished before the kill: make them longer"
         cluster.processes["dit-denoise"].send_signal(signal.SIGKILL)
         for thread in threads:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import GenerationRequest
+from omni_common.models.base import GenerationRequest, ModuleDeclaration
 from omni_common.models.qwenimage.decode import QwenImageDecoder
 from omni_common.models.qwenimage.denoise import DEFAULT_VAE_SCALE_FACTOR, QwenImageDenoiser
 from omni_common.models.qwenimage.encode import TOKENIZER_MAX_LENGTH, QwenImageEncoder
@@ -16,11 +16,36 @@ from omni_common.models.qwenimage.encode import TOKENIZER_MAX_LENGTH, QwenImageE
 # compresses 4x, so 16 serves it too).
 SIZE_MULTIPLE = DEFAULT_VAE_SCALE_FACTOR * 2
 
+# Paths are relative to the stage runners (QwenImageEncoder.text_encoder, ...). The DiT's
+# embeddings, norms and projections are small (~80 MB at full size against 40 GB of
+# blocks) and run every step: they stay on the device; its 60 blocks stream layerwise.
+MODULES = ModuleDeclaration(
+    roles={
+        "encoder": ("text_encoder",),
+        "dit": ("transformer",),
+        "vae": ("vae",),
+        "resident": tuple(
+            f"transformer.{name}"
+            for name in (
+                "pos_embed",
+                "time_text_embed",
+                "txt_norm",
+                "img_in",
+                "txt_in",
+                "norm_out",
+                "proj_out",
+            )
+        ),
+    },
+    layers=("transformer.transformer_blocks",),
+)
+
 
 class QwenImageFamily:
     """diffusers' QwenImagePipeline split into encode / denoise / decode."""
 
     name = "qwenimage"
+    modules: ModuleDeclaration | None = MODULES
 
     def validate(self, request: GenerationRequest) -> None:
         """What this family adds to omni_common.validation's ranges: the patch grid."""
