@@ -128,8 +128,12 @@ def _health(args: argparse.Namespace) -> int:
 
 def _fixture(args: argparse.Namespace) -> int:
     from omni_common.models.qwenimage.fixture import build_tiny_fixture
+    from omni_common.models.qwenimage.random_model import write_random_model
 
-    path = build_tiny_fixture(Path(args.out), head_dim=args.head_dim)
+    if args.random_weights:
+        path = write_random_model(Path(args.out), full_size=args.random_weights == "full", seed=args.seed)
+    else:
+        path = build_tiny_fixture(Path(args.out), head_dim=args.head_dim, seed=args.seed)
     print(f"wrote {path}")
     return 0
 
@@ -191,9 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=2.0)
     health.set_defaults(func=_health)
 
-    fixture = sub.add_parser("fixture", help="build the tiny random Qwen-Image model (offline)")
+    fixture = sub.add_parser("fixture", help="build a random Qwen-Image model offline")
     fixture.add_argument("out")
     fixture.add_argument("--head-dim", type=int, default=16)
+    fixture.add_argument(
+        "--random-weights",
+        choices=("tiny", "full"),
+        help="write configs only; every process builds the same seeded weights on its device "
+        "(full: Qwen-Image's real size, for GPU measurements)",
+    )
+    fixture.add_argument("--seed", type=int, default=0)
     fixture.set_defaults(func=_fixture)
 
     protos = sub.add_parser("protos", help="regenerate omnistage/v1 from protos/")

@@ -12,6 +12,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import StageState
+from omni_common.models.weights import load_component
 
 
 class QwenImageDecoder:
@@ -27,8 +28,7 @@ class QwenImageDecoder:
     @classmethod
     def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:
         """Load vae/ of a diffusers Qwen-Image directory."""
-        vae = AutoencoderKLQwenImage.from_pretrained(model_dir / "vae", dtype=dtype)
-        return cls(vae.to(device).eval(), device)
+        return cls(load_component(AutoencoderKLQwenImage, model_dir / "vae", device, dtype), device)
 
     def decode(self, states: Sequence[StageState]) -> list[torch.Tensor]:
         """States of one size share a vae.decode call; sizes are decoded group by group and

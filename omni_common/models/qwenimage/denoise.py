@@ -29,6 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import DenoiseState, GenerationRequest, StageState
+from omni_common.models.weights import load_component
 
 DEFAULT_VAE_SCALE_FACTOR = 8
 
@@ -78,10 +79,10 @@ class QwenImageDenoiser:
     @classmethod
     def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDenoiser:
         """Load transformer/ and the scheduler config of a diffusers Qwen-Image directory."""
-        transformer = QwenImageTransformer2DModel.from_pretrained(model_dir / "transformer", dtype=dtype)
+        transformer = load_component(QwenImageTransformer2DModel, model_dir / "transformer", device, dtype)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")
         vae_scale_factor = vae_scale_factor_for(model_dir)
-        return cls(transformer.to(device).eval(), scheduler, device, dtype, vae_scale_factor)
+        return cls(transformer, scheduler, device, dtype, vae_scale_factor)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> QwenImageDenoiseState:
         """Initial noise exactly as the pipeline draws it, timesteps, a fresh scheduler."""

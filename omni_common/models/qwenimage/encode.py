@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.weights import load_component
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
@@ -41,12 +42,10 @@ class QwenImageEncoder:
     @classmethod
     def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageEncoder:
         """Load text_encoder/ and tokenizer/ of a diffusers Qwen-Image directory."""
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            model_dir / "text_encoder", dtype=dtype
+        text_encoder = load_component(
+            Qwen2_5_VLForConditionalGeneration, model_dir / "text_encoder", device, dtype
         )
         tokenizer = Qwen2Tokenizer.from_pretrained(model_dir / "tokenizer")
-        module: torch.nn.Module = text_encoder  # transformers' typed `.to` confuses mypy
-        module.to(device).eval()
         return cls(text_encoder, tokenizer, device)
 
     @torch.inference_mode()

@@ -1,0 +1,65 @@
+"""Where a component's weights come from: a diffusers/transformers directory on disk, or,
+for a *random-weights* model directory, the architecture built from its config.json with
+seeded random weights directly on the device.
+
+Random weights serve speed and memory measurements of real-size models on machines whose
+disk is smaller than the weights (speed does not depend on the values). A directory is a
+random-weights one when it holds RANDOM_WEIGHTS_FILE; its seed makes every process that
+builds a component (each stage, and a diffusers baseline) get the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RANDOM_WEIGHTS_FILE = "random_weights.json"
+
+
+def random_weights_seed(model_dir: Path) -> int | None:
+    """The seed of a random-weights model directory, None for one with real weights."""
+    marker = Path(model_dir) / RANDOM_WEIGHTS_FILE
+    if not marker.is_file():
+        return None
+    return int(json.loads(marker.read_text())["seed"])
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _component_seed(seed: int, component: str) -> int:
+    """A per-component seed, so components do not depend on the order they are built in."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{component}".encode()).digest()[:4], "little")
+
+
+def load_component(cls: Any, component_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """A diffusers or transformers model from `component_dir` (e.g. model/transformer), in
+    `dtype`, on `device`, in eval mode."""
+    component_dir = Path(component_dir)
+    seed = random_weights_seed(component_dir.parent)
+    if seed is None:
+        model = cls.from_pretrained(component_dir, dtype=dtype)
+        module: torch.nn.Module = model  # transformers' typed `.to` confuses mypy
+        return module.to(device).eval()
+    torch.manual_seed(_component_seed(seed, component_dir.name))  # seeds the CUDA generators too
+    # Built in place on the device in its dtype: a 20 B model never exists in float32.
+    with torch.device(device), _default_dtype(dtype):
+        if hasattr(cls, "from_config"):  # diffusers
+            model = cls.from_config(cls.load_config(component_dir))
+        else:  # transformers
+            config = cls.config_class.from_pretrained(component_dir)
+            model = cls._from_config(config, dtype=dtype)
+    return model.eval()
