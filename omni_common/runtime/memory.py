@@ -7,7 +7,9 @@ that declares nothing gets a fallback scan of the runner's attributes.
 
 Sleep level 1 copies every weight to (pinned) host memory and frees the device copy; level 2
 drops the weights and wake reloads them with the family's loader. Both keep the module
-objects, so nothing that holds a reference to them notices.
+objects, so nothing that holds a reference to them notices. Served weights never change, so
+level 1 keeps its host copy after a wake: the next sleep only frees device memory, and a
+swap costs one host-to-device copy (the price: host memory for a copy of the weights).
 """
 
 from __future__ import annotations
@@ -125,11 +127,13 @@ def _contains(parent: nn.Module, child: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class Transition:
-    """What a sleep or wake did: the level, bytes moved (or dropped) and seconds taken."""
+    """What a sleep or wake did: the level, weight bytes freed on or put back onto the device,
+    bytes actually copied between host and device, and seconds taken."""
 
     level: int
     nbytes: int
     seconds: float
+    copied: int = 0
 
 
 def _synchronize(device: torch.device) -> None:
@@ -154,7 +158,7 @@ class WeightSleeper:
         self.device = device
         self.reload = reload  # level 2: full-path name -> weights, from the family's loader
         self.level = 0  # 0 = awake
-        self._host: dict[str, torch.Tensor] = {}  # level 1: the weights, in host memory
+        self._host: dict[str, torch.Tensor] = {}  # level 1: the weights, in host memory (kept)
         self._moved: list[str] = []
 
     @property
@@ -169,21 +173,25 @@ class WeightSleeper:
         if not self.awake:
             return Transition(0, 0, 0.0)
         started = time.perf_counter()
-        nbytes = 0
+        nbytes = copied = 0
         pin = self.device.type == "cuda"
+        if level == 2:
+            self._host = {}
         for name, tensor in self.modules.named_weights():
             if tensor.numel() == 0:
                 continue
-            nbytes += tensor.numel() * tensor.element_size()
-            if level == 1:
+            size = tensor.numel() * tensor.element_size()
+            nbytes += size
+            if level == 1 and name not in self._host:
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
                 host.copy_(tensor, non_blocking=pin)
                 self._host[name] = host
+                copied += size
             self._moved.append(name)
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         _synchronize(self.device)
         self.level = level
-        return Transition(level, nbytes, time.perf_counter() - started)
+        return Transition(level, nbytes, time.perf_counter() - started, copied)
 
     def wake(self) -> Transition:
         if self.awake:
@@ -198,10 +206,9 @@ class WeightSleeper:
             current[name].data = weights.to(self.device, non_blocking=True)
             nbytes += weights.numel() * weights.element_size()
         _synchronize(self.device)
-        self._host = {}
         self._moved = []
         self.level = 0
-        return Transition(level, nbytes, time.perf_counter() - started)
+        return Transition(level, nbytes, time.perf_counter() - started, nbytes)
 
     def _reloaded(self) -> Mapping[str, torch.Tensor]:
         assert self.reload is not None

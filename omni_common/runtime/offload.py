@@ -1,23 +1,57 @@
 """Layerwise offload: a model's blocks live in host memory and visit the device one at a time.
 
-Before block i runs, its weights are on the device (copied ahead of time) and the copy of
-block i+1 starts on a side CUDA stream, so transfer overlaps compute; after block i ran,
-its device copy is dropped. The rest of the model (the resident set: embeddings, norms,
+Each block's weights are packed into one pinned host buffer, so bringing a block in is a
+single large copy. Two device slots take turns: while block i computes from one slot, block
+i+1 is copied into the other on a side CUDA stream. A slot is overwritten only after the
+compute stream has finished the block that used it (an event), so no allocator is involved
+and transfer overlaps compute. The rest of the model (the resident set: embeddings, norms,
 projections) stays on the device. Peak weight memory is the resident set plus two blocks.
 
-On a CPU device the same hooks run without a stream, and a block's weights are really
+On a CPU device the same code runs without a stream, and a block's weights are really
 dropped and copied back, so CI exercises the whole path.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+_ALIGN = 256  # byte alignment of each tensor inside a packed block (any dtype can view it)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """One tensor of a block: where it lives inside the block's packed buffer."""
+
+    tensor: torch.Tensor
+    shape: torch.Size
+    offset: int
+    nbytes: int
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This tensor's weights inside a packed byte buffer (host or device slot)."""
+        raw = buffer[self.offset : self.offset + self.nbytes]
+        return raw.view(self.tensor.dtype).view(self.shape)
+
+
+def _pack(block: nn.Module, pin: bool) -> tuple[torch.Tensor, list[_Packed]]:
+    """Copy a block's parameters and buffers into one (pinned) host byte buffer."""
+    tensors = list(dict.fromkeys([*block.parameters(), *block.buffers()]))  # each once
+    layout, size = [], 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append(_Packed(tensor, tensor.shape, size, nbytes))
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    for item in layout:
+        source = item.tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
+        host[item.offset : item.offset + item.nbytes].copy_(source)
+    return host, layout
 
 
 class LayerwiseOffload:
@@ -29,17 +63,19 @@ class LayerwiseOffload:
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.bytes_moved = 0  # host-to-device bytes since construction
-        self.seconds_waiting = 0.0  # compute stream time spent waiting for copies (host clock)
-        self._host: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._host: list[tuple[torch.Tensor, list[_Packed]]] = []
         for block in self.blocks:
-            pairs = []
-            for tensor in [*block.parameters(), *block.buffers()]:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=cuda)
-                host.copy_(tensor)
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)
-                pairs.append((tensor, host))
-            self._host.append(pairs)
-        self._ready: dict[int, torch.cuda.Event | None] = {}
+            host, layout = _pack(block, pin=cuda)
+            for item in layout:
+                _drop(item.tensor, device)
+            self._host.append((host, layout))
+        slot_bytes = max((host.numel() for host, _ in self._host), default=0)
+        self._slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        # slot -> event recorded on the compute stream after the block in that slot ran
+        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # block -> its copy finished
+        self._slot_of: dict[int, int] = {}  # block on the device -> its slot
+        self._next_slot = 0  # slots alternate in fetch order (an odd block count wraps too)
         self._hooks: list[RemovableHandle] = []
         for index, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(self._before(index)))
@@ -47,22 +83,25 @@ class LayerwiseOffload:
 
     @property
     def block_bytes(self) -> int:
-        return max((sum(h.numel() * h.element_size() for _, h in pairs) for pairs in self._host), default=0)
+        """Weight bytes of the largest block."""
+        return max((sum(item.nbytes for item in layout) for _, layout in self._host), default=0)
 
     def _fetch(self, index: int) -> None:
-        """Start copying block `index` to the device (on the side stream when there is one)."""
+        """Start copying block `index` into its slot (on the side stream when there is one)."""
         if index in self._ready:
             return
-        compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        number = self._slot_of[index] = self._next_slot
+        self._next_slot = 1 - number
+        slot = self._slots[number]
+        host, layout = self._host[index]
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            for tensor, host in self._host[index]:
-                copy = host.to(self.device, non_blocking=True)
-                if compute is not None:
-                    # Allocated on the side stream, used on the compute stream: keep the
-                    # allocator from reusing it until the compute stream is done with it.
-                    copy.record_stream(compute)
-                tensor.data = copy
-                self.bytes_moved += host.numel() * host.element_size()
+            free = self._slot_free[number]
+            if self.stream is not None and free is not None:
+                self.stream.wait_event(free)  # the block that used this slot has run
+            slot[: host.numel()].copy_(host, non_blocking=True)
+            for item in layout:
+                item.tensor.data = item.view(slot)
+            self.bytes_moved += sum(item.nbytes for item in layout)
             event = None
             if self.stream is not None:
                 event = torch.cuda.Event()
@@ -74,17 +113,20 @@ class LayerwiseOffload:
             self._fetch(index)
             event = self._ready[index]
             if event is not None:
-                started = time.perf_counter()
                 torch.cuda.current_stream(self.device).wait_event(event)
-                self.seconds_waiting += time.perf_counter() - started
             self._fetch((index + 1) % len(self.blocks))  # overlaps this block's compute
 
         return hook
 
     def _after(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for tensor, _ in self._host[index]:
-                tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+            number = self._slot_of.pop(index)
+            if self.stream is not None:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+                self._slot_free[number] = done
+            for item in self._host[index][1]:
+                _drop(item.tensor, self.device)
             self._ready.pop(index, None)
 
         return hook
@@ -93,9 +135,13 @@ class LayerwiseOffload:
         """Remove the hooks and put every block back on the device for good."""
         for handle in self._hooks:
             handle.remove()
-        for pairs in self._host:
-            for tensor, host in pairs:
-                tensor.data = host.to(self.device)
-        self._hooks = []
-        self._host = []
-        self._ready = {}
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        for host, layout in self._host:
+            for item in layout:
+                item.tensor.data = item.view(host).to(self.device)
+        self._hooks, self._host, self._ready, self._slots = [], [], {}, []
+
+
+def _drop(tensor: torch.Tensor, device: torch.device) -> None:
+    tensor.data = torch.empty(0, dtype=tensor.dtype, device=device)

@@ -131,11 +131,18 @@ def test_sleep_and_wake_leave_outputs_bitwise_unchanged(tiny_model: Path, level:
     sleeper = WeightSleeper(modules, CPU, reload=reload)
     slept = sleeper.sleep(level)
     assert (slept.level, slept.nbytes) == (level, total) and not sleeper.awake
+    assert slept.copied == (total if level == 1 else 0)
     assert all(t.numel() == 0 for _, t in modules.named_weights())  # the memory is really gone
     assert denoiser.transformer.img_in.weight.numel() > 0  # resident
     assert sleeper.sleep(level).nbytes == 0  # sleeping twice is a no-op
     woken = sleeper.wake()
     assert (woken.level, woken.nbytes) == (level, total) and sleeper.awake
+    assert torch.equal(run_denoiser(family, tiny_model, denoiser), before)
+    # Weights do not change while served: level 1 kept its host copy, so sleeping again
+    # copies nothing; level 2 drops everything again.
+    again = sleeper.sleep(level)
+    assert (again.nbytes, again.copied) == (total, 0)
+    assert sleeper.wake().copied == total
     assert torch.equal(run_denoiser(family, tiny_model, denoiser), before)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from omni_common.models.qwenimage import QwenImageFamily
 from omni_common.runtime.offload import LayerwiseOffload
@@ -30,3 +31,40 @@ def test_layerwise_offload_gives_bitwise_the_same_latents(tiny_model: Path) -> N
     offload.close()
     assert all(p.numel() > 0 for p in blocks.parameters())
     assert torch.equal(run_denoiser(family, tiny_model, denoiser), resident)
+
+
+class Scaled(nn.Linear):
+    """A block with a buffer besides its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8, bias=False)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class Chain(nn.Module):
+    """Blocks of different sizes, an odd number of them, run twice per forward (wrap-around)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), Scaled(), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+        return x
+
+
+def test_an_odd_number_of_blocks_of_different_sizes_streams_correctly() -> None:
+    chain = Chain()
+    x = torch.randn(4, 8)
+    want = chain(x)
+    offload = LayerwiseOffload(chain.blocks, CPU)
+    assert torch.equal(chain(x), want) and torch.equal(chain(x), want)
+    assert offload.block_bytes == 8 * 8 * 4 + 8 * 4
+    offload.close()
+    assert torch.equal(chain(x), want)
