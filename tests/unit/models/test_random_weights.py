@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
 from omni_common.models.base import GenerationRequest
 from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.pipeline import monolithic_pipeline
 from omni_common.models.qwenimage.random_model import write_random_model
 from omni_common.models.weights import random_weights_seed
 
@@ -82,14 +82,7 @@ def test_split_runners_equal_diffusers_on_the_same_random_weights(random_tiny: P
         denoiser.step([state])
     image = decoder.decode([denoiser.finish(state)])[0]
 
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler.from_config(denoiser.scheduler_config),
-        vae=family.load_decoder(random_tiny, CPU, torch.float32).vae,
-        text_encoder=family.load_encoder(random_tiny, CPU, torch.float32).text_encoder,
-        tokenizer=encoder.tokenizer,
-        transformer=family.load_denoiser(random_tiny, CPU, torch.float32).transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = monolithic_pipeline(random_tiny, CPU, torch.float32)
     reference = pipe(
         "a cat",
         width=32,
