@@ -42,6 +42,7 @@ class StageConfig:
     cache_bytes: int = 256 * 1024 * 1024
     cache_bypass: bool = False
     vllm_memory_fraction: float = 0.1
+    metrics_port: int = 0
 
     @property
     def bind_address(self) -> str:
@@ -59,6 +60,7 @@ class CoordinatorConfig:
     stage_timeout_s: float = 600.0
     max_pixels: int = 4 * 1024 * 1024
     max_in_flight: int = 256
+    metrics_port: int = 0
 
     @property
     def bind_address(self) -> str:
@@ -76,6 +78,14 @@ def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
         type=int,
         default=int(env("MAX_PIXELS", str(4 * 1024 * 1024))),
         help="largest width*height served",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("METRICS_PORT", "0")),
+        # Off by default: the local cluster runs every service on one host, where one fixed
+        # port would collide; deploy/k8s sets it (each pod has its own network namespace).
+        help="serve Prometheus metrics over HTTP at :PORT/metrics (0 = off)",
     )
 
 
@@ -180,6 +190,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         vllm_memory_fraction=args.vllm_memory_fraction,
         max_pixels=args.max_pixels,
         advertise_host=args.advertise_host,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -214,4 +225,5 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         stage_timeout_s=args.stage_timeout,
         max_pixels=args.max_pixels,
         max_in_flight=args.max_in_flight,
+        metrics_port=args.metrics_port,
     )

@@ -20,6 +20,7 @@ import torch
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, gpu_uuid, ipc_namespace, keep_registered
 from omni_common.runtime.serve import serve
 from omni_common.runtime.worker import Progress, StageCall
@@ -74,6 +75,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.transport = transport
         self.max_pixels = max_pixels
         self.draining = False
+        self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(
@@ -132,6 +134,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     ) -> AsyncIterator[stage_pb2.StageEvent]:
         rid = request.request_id[:128]
         self.worker.in_flight += 1
+        # How the metrics count this call; it stays CANCELLED when the caller goes away (the
+        # generator is then closed at a `yield`, which no except clause here sees).
+        code = grpc.StatusCode.CANCELLED
         try:
             gen = self._check(request)
             remaining = context.time_remaining()
@@ -174,13 +179,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     # Nobody will ever hear of these leases: free them now, not at TTL.
                     self.transport.release(self.transport.lease_ids(output))
                     raise
+            code = grpc.StatusCode.OK
         except OmniError as err:
+            code = err.code
             log.info("request %s: %s %s", rid, err.code.name, err.message)
             await abort(context, err)
         except asyncio.CancelledError:
             log.info("request %s: cancelled by the caller", rid)
             raise
         except Exception:
+            code = grpc.StatusCode.INTERNAL
             log.exception("request %s: internal error", rid)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
@@ -188,6 +196,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             )
         finally:
             self.worker.in_flight -= 1
+            self.metrics.requests.finished(code)
 
 
 def _own_ip() -> str:
@@ -248,4 +257,6 @@ async def serve_stage(
         on_stop=cleanup,
         ready=ready,
         stop=stop,
+        metrics=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
     )
