@@ -121,7 +121,8 @@ def _response(head: bytes, registry: CollectorRegistry) -> bytes:
 
 async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
     """Serve `registry` at http://host:port/metrics on the running loop, one request per
-    connection (what Prometheus does). Raises OSError when the port cannot be bound."""
+    connection (each answer closes it; a scraper reconnects every interval, cheap next to
+    the interval). Raises OSError when the port cannot be bound."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
