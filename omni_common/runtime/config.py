@@ -47,6 +47,7 @@ class StageConfig:
     cache_bypass: bool = False
     vllm_memory_fraction: float = 0.1
     offload: str = "none"
+    metrics_port: int = 0
 
     @property
     def bind_address(self) -> str:
@@ -67,6 +68,7 @@ class CoordinatorConfig:
     offload: str = "none"
     # swap: weight bytes that may be awake at once on one device; 0 = 90% of its memory.
     device_memory_budget: int = 0
+    metrics_port: int = 0
 
     @property
     def bind_address(self) -> str:
@@ -91,6 +93,14 @@ def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
         choices=OFFLOAD_POLICIES,
         help="device memory policy of the deployment: none, swap (whole stages take turns) or "
         "layerwise (the DiT streams its blocks)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("METRICS_PORT", "0")),
+        # Off by default: the local cluster runs every service on one host, where one fixed
+        # port would collide; deploy/k8s sets it (each pod has its own network namespace).
+        help="serve Prometheus metrics over HTTP at :PORT/metrics (0 = off)",
     )
 
 
@@ -196,6 +206,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         max_pixels=args.max_pixels,
         advertise_host=args.advertise_host,
         offload=args.offload,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -238,4 +249,5 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         max_in_flight=args.max_in_flight,
         offload=args.offload,
         device_memory_budget=args.device_memory_budget,
+        metrics_port=args.metrics_port,
     )

@@ -2,7 +2,8 @@
 
 SIGTERM/SIGINT drain the server: health turns NOT_SERVING, new calls are refused,
 in-flight calls get `grace_s` to finish, then the service's own cleanup runs (leases
-released, shared-memory segments unlinked).
+released, shared-memory segments unlinked). The optional metrics endpoint lives as long as
+the gRPC server, so a drain can be watched.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ from typing import Any
 
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
+from omni_common.runtime.metrics import start_metrics_server
 from omni_common.runtime.rpc import aio_server
 
 log = logging.getLogger("omnistage.serve")
 
 Setup = Callable[[grpc.aio.Server, str], Awaitable[None]]
+
+# How long a draining service waits for its in-flight work. Deployments give a service
+# more than this before they kill it (compose's stop_grace_period, Kubernetes'
+# terminationGracePeriodSeconds; tests/unit/test_k8s_manifests.py checks both).
+DRAIN_GRACE_S = 30.0
 
 
 async def serve(
@@ -33,10 +41,12 @@ async def serve(
     on_drain: Callable[[], None] = lambda: None,
     is_idle: Callable[[], bool] = lambda: True,
     on_stop: Callable[[], None] = lambda: None,
-    grace_s: float = 30.0,
+    grace_s: float = DRAIN_GRACE_S,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     health_servicer: health.aio.HealthServicer | None = None,
+    metrics: CollectorRegistry | None = None,
+    metrics_port: int = 0,
 ) -> None:
     """Bind, call `setup(server, bound_address)`, serve until a signal or `stop` is set.
 
@@ -44,7 +54,8 @@ async def serve(
     tensors) until `is_idle()` or `grace_s` has passed; then the server stops and
     `on_stop` frees what is left. The health service answers for "" (the process) and for
     whatever entries the service sets on `health_servicer`. `ready(address)` is called once
-    the server accepts calls (tests bind port 0).
+    the server accepts calls (tests bind port 0). With `metrics` and a `metrics_port`
+    (0 = off), Prometheus can scrape http://host:metrics_port/metrics.
     """
     server = aio_server()
     health_servicer = health_servicer or health.aio.HealthServicer()
@@ -54,6 +65,14 @@ async def serve(
         raise SystemExit(f"{name}: cannot bind {bind_address}")
     host = bind_address.rsplit(":", 1)[0]
     address = f"{host}:{port}"
+    metrics_server = None
+    if metrics is not None and metrics_port:
+        try:
+            metrics_server = await start_metrics_server(metrics, host, metrics_port)
+        except OSError as err:
+            reason = err.strerror or str(err)
+            raise SystemExit(f"{name}: cannot serve metrics on {host}:{metrics_port}: {reason}") from err
+        log.info("%s metrics at http://%s:%d/metrics", name, host, metrics_port)
     await setup(server, address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -78,6 +97,9 @@ async def serve(
         while not is_idle() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         await server.stop(1.0)
+        if metrics_server is not None:
+            metrics_server.close()
+            await metrics_server.wait_closed()
         on_stop()
         log.info("%s stopped", name)
 

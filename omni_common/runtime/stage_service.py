@@ -22,6 +22,7 @@ from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, Omni
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.memory import Transition
+from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, gpu_uuid, ipc_namespace, keep_registered
 from omni_common.runtime.serve import serve
 from omni_common.runtime.stage_control import StageControlServicer
@@ -91,6 +92,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.transport = transport
         self.max_pixels = max_pixels
         self.draining = False
+        self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(
@@ -152,6 +154,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     ) -> AsyncIterator[stage_pb2.StageEvent]:
         rid = request.request_id[:128]
         self.worker.in_flight += 1
+        # How the metrics count this call; it stays CANCELLED when the caller goes away (the
+        # generator is then closed at a `yield`, which no except clause here sees).
+        code = grpc.StatusCode.CANCELLED
         try:
             gen = self._check(request)
             await self.worker.ensure_awake()
@@ -195,13 +200,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     # Nobody will ever hear of these leases: free them now, not at TTL.
                     self.transport.release(self.transport.lease_ids(output))
                     raise
+            code = grpc.StatusCode.OK
         except OmniError as err:
+            code = err.code
             log.info("request %s: %s %s", rid, err.code.name, err.message)
             await abort(context, err)
         except asyncio.CancelledError:
             log.info("request %s: cancelled by the caller", rid)
             raise
         except Exception:
+            code = grpc.StatusCode.INTERNAL
             log.exception("request %s: internal error", rid)
             await context.abort(
                 grpc.StatusCode.INTERNAL,
@@ -209,6 +217,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             )
         finally:
             self.worker.in_flight -= 1
+            self.metrics.requests.finished(code)
 
 
 def _own_ip() -> str:
@@ -274,4 +283,6 @@ async def serve_stage(
         ready=ready,
         stop=stop,
         health_servicer=health_servicer,
+        metrics=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
     )

@@ -135,6 +135,10 @@ class ReplicaPool:
                     counts[stage] = counts.get(stage, 0) + 1
         return found
 
+    def healthy_counts(self) -> dict[str, int]:
+        """Healthy replicas per stage, whatever model they serve."""
+        return {stage: sum(r.healthy for r in replicas) for stage, replicas in self.replicas.items()}
+
     def resolve_model(self, name: str) -> str:
         """ "" means the only model served; unknown names are NOT_FOUND."""
         served = sorted(self.models())

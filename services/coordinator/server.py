@@ -17,6 +17,7 @@ import grpc
 
 from omni_common.errors import AlreadyExists, Cancelled, OmniError, ResourceExhausted, abort
 from omni_common.runtime.config import CoordinatorConfig
+from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import run, serve
 from omni_common.transport import TensorTransport
 from omni_common.validation import check_request_id, to_request, with_defaults
@@ -39,6 +40,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight
         self.in_flight: dict[str, asyncio.Task[None]] = {}
+        self.metrics = CoordinatorMetrics(lambda: len(self.in_flight), pool.healthy_counts)
 
     def _accept(self, request: cpb.GenerateRequest) -> tuple[str, stage_pb2.GenerationParams]:
         if len(self.in_flight) >= self.max_in_flight:
@@ -62,6 +64,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             request_id, params = self._accept(request)
         except OmniError as err:
+            self.metrics.requests.finished(err.code)
             await abort(context, err)
             return
         events: asyncio.Queue[cpb.GenerateEvent | None] = asyncio.Queue()
@@ -76,16 +79,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             params.height,
             params.num_inference_steps,
         )
+        code = grpc.StatusCode.CANCELLED  # unless the flow ends: the client went away
         try:
             yield cpb.GenerateEvent(accepted=cpb.Accepted(request_id=request_id))
             while (event := await events.get()) is not _DONE:
                 yield event
             error = await _outcome(task, request_id)
+            code = grpc.StatusCode.OK if error is None else error.code
         finally:
             if not task.done():  # the client went away: stop the work, free its leases
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             self.in_flight.pop(request_id, None)
+            self.metrics.requests.finished(code)
         if error is not None:
             log.info("request %s failed: %s %s", request_id, error.code.name, error.message)
             yield cpb.GenerateEvent(error=cpb.Error(code=error.code.name, message=error.message))
@@ -171,6 +177,8 @@ async def serve_coordinator(
         on_stop=cleanup,
         ready=ready,
         stop=stop,
+        metrics=servicer.metrics.registry,
+        metrics_port=config.metrics_port,
     )
 
 

@@ -1,0 +1,137 @@
+"""Prometheus metrics of one service, served as text over plain HTTP from its own event loop.
+
+Every stage replica and the coordinator expose `GET /metrics` on `--metrics-port`
+(OMNISTAGE_METRICS_PORT; 0 = off). Gauges are read when scraped, on the event-loop thread
+that also owns the worker's state, so a scrape sees exactly the numbers the replica
+heartbeats (StageInfo.load) and needs no lock. A scrape never waits for a model forward:
+forwards run on the worker's compute thread. In Kubernetes, prometheus-adapter turns
+`omnistage_stage_load` into the custom metric each stage's HorizontalPodAutoscaler follows
+(deploy/k8s/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from omni_common.runtime.config import STAGES
+
+# A scraper that sends no complete request head in this time is dropped.
+READ_TIMEOUT_S = 5.0
+# Scrapers send a request line and a few headers; anything larger is not one.
+MAX_HEAD_BYTES = 16 * 1024
+
+
+class RequestOutcomes:
+    """Finished requests: `<prefix>_requests_<success>_total` and, by gRPC status code,
+    `<prefix>_requests_failed_total`."""
+
+    def __init__(
+        self, registry: CollectorRegistry, prefix: str, success: str, labels: dict[str, str]
+    ) -> None:
+        names = list(labels)
+        ok = Counter(
+            f"{prefix}_requests_{success}", "Requests that ended with status OK", names, registry=registry
+        )
+        self._ok = ok.labels(**labels) if labels else ok
+        self._failed = Counter(
+            f"{prefix}_requests_failed",
+            "Requests that ended with an error status (CANCELLED included), by gRPC status code",
+            [*names, "code"],
+            registry=registry,
+        )
+        self._labels = labels
+
+    def finished(self, code: grpc.StatusCode) -> None:
+        if code == grpc.StatusCode.OK:
+            self._ok.inc()
+        else:
+            self._failed.labels(**self._labels, code=code.name).inc()
+
+
+class StageMetrics:
+    """Metrics of one stage replica, labelled with its stage."""
+
+    def __init__(self, stage: str, load: Callable[[], int], in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        Gauge(
+            "omnistage_stage_load",
+            "The stage's own load signal, as heartbeated in StageInfo.load: pending prompts "
+            "(ar-encoder), remaining denoise steps x image tokens (dit-denoise), pending pixels "
+            "(vae-decode)",
+            ["stage"],
+            registry=self.registry,
+        ).labels(stage=stage).set_function(load)
+        Gauge(
+            "omnistage_stage_in_flight",
+            "Stage.Run calls waiting or running on this replica (StageInfo.queue_depth)",
+            ["stage"],
+            registry=self.registry,
+        ).labels(stage=stage).set_function(in_flight)
+        self.requests = RequestOutcomes(self.registry, "omnistage_stage", "served", {"stage": stage})
+
+
+class CoordinatorMetrics:
+    """Metrics of the coordinator: requests and the replicas it can route to."""
+
+    def __init__(self, in_flight: Callable[[], int], replicas: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        Gauge(
+            "omnistage_coordinator_requests_in_flight",
+            "Generate requests accepted and not yet finished",
+            registry=self.registry,
+        ).set_function(in_flight)
+        healthy = Gauge(
+            "omnistage_coordinator_replicas",
+            "Healthy replicas per stage (registered by heartbeat or configured statically)",
+            ["stage"],
+            registry=self.registry,
+        )
+        for stage in STAGES:
+            healthy.labels(stage=stage).set_function(functools.partial(_count, replicas, stage))
+        self.requests = RequestOutcomes(self.registry, "omnistage_coordinator", "completed", {})
+
+
+def _count(counts: Callable[[], dict[str, int]], key: str) -> int:
+    return counts().get(key, 0)
+
+
+def _response(head: bytes, registry: CollectorRegistry) -> bytes:
+    """The whole HTTP/1.1 response to one request head."""
+    request_line = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+    method = request_line[0]
+    path = request_line[1].split("?", 1)[0] if len(request_line) > 1 else ""
+    status, content_type, body, extra = "200 OK", CONTENT_TYPE_LATEST, b"", ""
+    if path != "/metrics":
+        status, content_type, body = "404 Not Found", "text/plain", b"metrics are at /metrics\n"
+    elif method not in ("GET", "HEAD"):
+        status, content_type, extra = "405 Method Not Allowed", "text/plain", "Allow: GET, HEAD\r\n"
+    else:
+        body = generate_latest(registry)
+    header = (
+        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
+    )
+    return header.encode("latin-1") + (b"" if method == "HEAD" else body)
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
+    """Serve `registry` at http://host:port/metrics on the running loop, one request per
+    connection (each answer closes it; a scraper reconnects every interval, cheap next to
+    the interval). Raises OSError when the port cannot be bound."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            writer.write(_response(head, registry))
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a scraper that went away or never spoke HTTP: nothing to answer
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port, limit=MAX_HEAD_BYTES, reuse_address=True)
