@@ -139,7 +139,7 @@ def open_ipc(ref: tensor_pb2.TensorRef, peers: PeerMaps, max_tensor_bytes: int) 
         if ipc.event_handle:
             # Waited on here rather than by _new_shared_cuda, which never destroys the event
             # it opens; this one is destroyed with the object (pending waits still hold).
-            event = torch.cuda.Event.from_ipc_handle(device, ipc.event_handle)
+            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), ipc.event_handle)
             event.wait(torch.cuda.current_stream(device))
         storage = torch.UntypedStorage._new_shared_cuda(
             device, ipc.ipc_handle, ipc.nbytes, ipc.offset, NO_COUNTER, 0, bytes(EVENT_HANDLE_BYTES), False
