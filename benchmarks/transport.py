@@ -26,6 +26,7 @@ import torch
 
 from omni_common.runtime.rpc import aio_channel, aio_server
 from omni_common.transport import (
+    Consumer,
     TensorTransport,
     add_tensor_store,
     decode_inline,
@@ -111,7 +112,7 @@ def one_transfer(p: Producer, conn: Connection, method: str, t: torch.Tensor) ->
         ack(conn)
     else:
         host = "elsewhere" if method == "fetch_grpc" else ""
-        state = p.tr.export_state({"x": t}, {}, consumer_host_id=host)
+        state = p.tr.export_state({"x": t}, {}, consumer=Consumer(host))
         kind = "state_read" if method == "shm_handle_read" else "state"
         conn.send((kind, state.SerializeToString()))
         ack(conn)

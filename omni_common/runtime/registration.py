@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 
 import grpc
-import torch
 
 from omni_common.runtime.rpc import aio_channel
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
@@ -21,19 +19,6 @@ from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 log = logging.getLogger("omnistage.registration")
 
 HEARTBEAT_S = 1.0
-
-
-def gpu_uuid(device: torch.device) -> str:
-    if device.type != "cuda":
-        return ""
-    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
-
-
-def ipc_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/ipc").st_ino
-    except OSError:
-        return 0
 
 
 async def keep_registered(coordinator: str, info: Callable[[], stage_pb2.StageInfo]) -> None:

@@ -23,11 +23,11 @@ from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.memory import Transition
 from omni_common.runtime.metrics import StageMetrics
-from omni_common.runtime.registration import deregister, gpu_uuid, ipc_namespace, keep_registered
+from omni_common.runtime.registration import deregister, keep_registered
 from omni_common.runtime.serve import serve
 from omni_common.runtime.stage_control import StageControlServicer
 from omni_common.runtime.worker import Progress, StageCall
-from omni_common.transport import TensorTransport, add_tensor_store
+from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
 from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
@@ -119,7 +119,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker.stage} is shutting down")
         return self.info()
 
-    def _step_event(self, progress: Progress, consumer_host_id: str) -> stage_pb2.StepProgress:
+    def _step_event(self, progress: Progress, consumer: Consumer) -> stage_pb2.StepProgress:
         event = stage_pb2.StepProgress(
             step=progress.step,
             total=progress.total,
@@ -128,10 +128,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         )
         if progress.checkpoint is not None:
             checkpoint = progress.checkpoint
-            # The coordinator owns these leases from here (it releases superseded ones).
+            # The coordinator owns these leases from here (it releases superseded ones). No
+            # GPU named: a checkpoint must outlive this process, so it goes to host memory.
             event.checkpoint.CopyFrom(
                 self.transport.export_state(
-                    checkpoint.tensors, checkpoint.meta, consumer_host_id=consumer_host_id
+                    checkpoint.tensors, checkpoint.meta, consumer=Consumer(consumer.host_id)
                 )
             )
         return event
@@ -171,6 +172,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 check_finite(resume.tensors)
             started = time.perf_counter()
             outputs = frozenset(request.outputs)
+            consumer = Consumer(
+                request.consumer_host_id, request.consumer_ipc_namespace, request.consumer_gpu_uuid
+            )
             call = StageCall(
                 request_id=rid,
                 request=gen,
@@ -184,15 +188,18 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             )
             async for item in self.worker.run(call):
                 if isinstance(item, Progress):
-                    yield stage_pb2.StageEvent(step=self._step_event(item, request.consumer_host_id))
+                    yield stage_pb2.StageEvent(step=self._step_event(item, consumer))
                     continue
                 compute_ms = (time.perf_counter() - started) * 1e3
                 output = self.transport.export_state(
-                    _select(item.tensors, outputs, self.worker.stage),
-                    item.meta,
-                    consumer_host_id=request.consumer_host_id,
+                    _select(item.tensors, outputs, self.worker.stage), item.meta, consumer=consumer
                 )
                 try:
+                    # Inputs mapped from the GPU memory of the previous stage are released
+                    # when the coordinator hears this result: the reads must have run.
+                    await self.transport.finish_imports(
+                        [*tensors.values(), *(resume.tensors.values() if resume is not None else [])]
+                    )
                     yield stage_pb2.StageEvent(
                         result=stage_pb2.StageResult(output=output, compute_ms=compute_ms)
                     )

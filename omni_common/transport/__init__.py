@@ -1,12 +1,15 @@
-"""How tensors cross process and host boundaries: inline bytes, shm leases, chunked fetch."""
+"""How tensors cross process and host boundaries: inline bytes, shm leases, CUDA IPC,
+chunked fetch."""
 
 from .codec import DTYPES, decode_inline, dtype_name, encode_inline
 from .leases import sweep_stale_segments
+from .route import Consumer, gpu_uuid, host_id_default, ipc_namespace
 from .store import TensorStoreServicer, add_tensor_store, fetch_remote, release_remote
-from .transport import TensorTransport, host_id_default
+from .transport import TensorTransport
 
 __all__ = [
     "DTYPES",
+    "Consumer",
     "TensorStoreServicer",
     "TensorTransport",
     "add_tensor_store",
@@ -14,7 +17,9 @@ __all__ = [
     "dtype_name",
     "encode_inline",
     "fetch_remote",
+    "gpu_uuid",
     "host_id_default",
+    "ipc_namespace",
     "release_remote",
     "sweep_stale_segments",
 ]

@@ -1,7 +1,8 @@
 """The lease table: a shared-memory segment `omnistage-<token>-leases` with fixed slots.
 
 Producers write slots under a seqlock (seq is odd while a slot is being written);
-consumers on the same host read them to check a ShmRef before and after copying.
+consumers on the same host read them to check a ShmRef or CudaIpcRef before and after
+mapping it.
 The header names the owner process so that a restart can sweep a dead owner's files.
 """
 
@@ -25,11 +26,16 @@ VERSION = 1
 # magic, version, capacity, owner pid, owner pid-namespace inode, owner start time (ticks)
 HEADER = struct.Struct("<8sIIQQQ")
 HEADER_BYTES = 64
-# seq, nonce, segment index, pad, offset, nbytes, generation, expires_at (time.time())
-SLOT = struct.Struct("<QQIIQQQd")
+# seq, nonce, segment index, pad, offset, nbytes, generation, expires_at (time.time()),
+# digest. The digest fills the slot's last 8 bytes, which version 1 left zero and readers
+# that predate it never read: it binds a CUDA lease to the handle it was exported with.
+SLOT = struct.Struct("<QQIIQQQdQ")
 SLOT_BYTES = 64
 SEQ = struct.Struct("<Q")
 CAPACITY = 4096
+# The segment index of a lease on GPU memory (CUDA IPC) rather than in the shm arena; arena
+# ids stop at nine digits, so no ShmRef can name it.
+CUDA_SEGMENT = 0xFFFFFFFF
 
 LEASE_ID_RE = re.compile(r"([0-9a-f]{16})-(0|[1-9][0-9]{0,5})-([0-9a-f]{16})")
 
@@ -43,6 +49,7 @@ class Slot:
     nbytes: int
     generation: int
     expires_at: float
+    digest: int
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,8 @@ def read_slot(buf: mmap.mmap, slot: int) -> Slot:
     while True:
         fields = SLOT.unpack_from(buf, base)
         if fields[0] % 2 == 0 and SEQ.unpack_from(buf, base)[0] == fields[0]:
-            seq, nonce, seg, _, off, n, gen, exp = fields
-            return Slot(seq, nonce, seg, off, n, gen, exp)
+            seq, nonce, seg, _, off, n, gen, exp, digest = fields
+            return Slot(seq, nonce, seg, off, n, gen, exp, digest)
         time.sleep(0)
 
 
@@ -124,24 +131,28 @@ class LeaseTable:
         self._free = list(range(capacity - 1, -1, -1))
         self._seq = [0] * capacity
 
-    def add(self, segment: int, offset: int, nbytes: int, generation: int, ttl_s: float) -> str:
+    def add(
+        self, segment: int, offset: int, nbytes: int, generation: int, ttl_s: float, digest: int = 0
+    ) -> str:
         """Write a new lease; ResourceExhausted when every slot is taken."""
         if not self._free:
             raise ResourceExhausted("too many live tensor leases; release some first")
         slot = self._free.pop()
         nonce = secrets.randbits(64) or 1
-        self._write(slot, nonce, segment, offset, nbytes, generation, time.time() + ttl_s)
+        self._write(slot, nonce, segment, offset, nbytes, generation, time.time() + ttl_s, digest)
         return format_lease_id(self.token, slot, nonce)
 
     def clear(self, slot: int) -> None:
-        self._write(slot, 0, 0, 0, 0, 0, 0.0)
+        self._write(slot, 0, 0, 0, 0, 0, 0.0, 0)
         self._free.append(slot)
 
-    def _write(self, slot: int, nonce: int, seg: int, off: int, n: int, gen: int, exp: float) -> None:
+    def _write(
+        self, slot: int, nonce: int, seg: int, off: int, n: int, gen: int, exp: float, digest: int
+    ) -> None:
         base = HEADER_BYTES + slot * SLOT_BYTES
         seq = self._seq[slot] + 1
         SEQ.pack_into(self.mm, base, seq)  # odd: readers retry
-        SLOT.pack_into(self.mm, base, seq, nonce, seg, 0, off, n, gen, exp)
+        SLOT.pack_into(self.mm, base, seq, nonce, seg, 0, off, n, gen, exp, digest)
         SEQ.pack_into(self.mm, base, seq + 1)
         self._seq[slot] = seq + 1
 

@@ -34,7 +34,7 @@ from omnistage.v1 import tensor_pb2
 
 from .arena import ARENA_ID_RE, close_map, segment_path
 from .codec import check_header, copy_bytes, empty_for
-from .leases import capacity_of, parse_lease_id, read_seq, read_slot, short
+from .leases import LeaseKey, Slot, capacity_of, parse_lease_id, read_seq, read_slot, short
 
 
 @dataclass
@@ -134,6 +134,21 @@ def _map_private(
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - start)
 
 
+def live_slot(peers: PeerMaps, key: LeaseKey, name: str, lease_id: str) -> tuple[mmap.mmap, Slot]:
+    """The producer's lease table and the live slot `key` names; NotFound when the producer,
+    the slot or the lease is unknown, or the lease has expired."""
+    table = peers.get(key.token, "leases")
+    capacity = capacity_of(table.mm) if table is not None else None
+    if table is None or capacity is None:
+        raise NotFound(f"tensor {name!r}: unknown producer (gone, or not on this host)")
+    if key.slot >= capacity:
+        raise NotFound(f"tensor {name!r}: lease not found or expired")
+    slot = read_slot(table.mm, key.slot)
+    if slot.nonce != key.nonce or slot.expires_at <= time.time():
+        raise NotFound(f"tensor {name!r}: lease {short(lease_id)} not found or expired")
+    return table.mm, slot
+
+
 def import_shm(ref: tensor_pb2.TensorRef, peers: PeerMaps, max_tensor_bytes: int) -> torch.Tensor:
     """Copy the tensor behind a ShmRef into a fresh tensor, checking the handle first."""
     dtype, shape = check_header(ref, max_tensor_bytes)
@@ -146,15 +161,7 @@ def import_shm(ref: tensor_pb2.TensorRef, peers: PeerMaps, max_tensor_bytes: int
         raise PermissionDenied(f"tensor {ref.name!r}: lease does not belong to this arena")
     if shm.nbytes != ref.nbytes:
         raise InvalidArgument(f"tensor {ref.name!r}: shm nbytes does not match the tensor")
-    table = peers.get(key.token, "leases")
-    capacity = capacity_of(table.mm) if table is not None else None
-    if table is None or capacity is None:
-        raise NotFound(f"tensor {ref.name!r}: unknown arena")
-    if key.slot >= capacity:
-        raise NotFound(f"tensor {ref.name!r}: lease not found or expired")
-    slot = read_slot(table.mm, key.slot)
-    if slot.nonce != key.nonce or slot.expires_at <= time.time():
-        raise NotFound(f"tensor {ref.name!r}: lease {short(shm.lease_id)} not found or expired")
+    table, slot = live_slot(peers, key, ref.name, shm.lease_id)
     if (slot.segment, slot.offset, slot.nbytes, slot.generation) != (
         int(arena.group(2)),
         shm.offset,
@@ -169,7 +176,7 @@ def import_shm(ref: tensor_pb2.TensorRef, peers: PeerMaps, max_tensor_bytes: int
         raise PermissionDenied(f"tensor {ref.name!r}: handle is outside its arena")
     if shm.nbytes >= ZERO_COPY_BYTES:
         t = _map_private(peers, key.token, slot.segment, shm.offset, shm.nbytes, seg.ino)
-        if read_seq(table.mm, key.slot) != slot.seq:
+        if read_seq(table, key.slot) != slot.seq:
             raise Aborted(f"tensor {ref.name!r}: lease released while mapping")
         return t.view(dtype).reshape(shape)
     t, dst = empty_for(dtype, shape)
@@ -177,6 +184,6 @@ def import_shm(ref: tensor_pb2.TensorRef, peers: PeerMaps, max_tensor_bytes: int
         src = np.frombuffer(seg.mm, dtype=np.uint8, count=shm.nbytes, offset=shm.offset)
         copy_bytes(dst, src)
         del src
-    if read_seq(table.mm, key.slot) != slot.seq:
+    if read_seq(table, key.slot) != slot.seq:
         raise Aborted(f"tensor {ref.name!r}: lease released while reading")
     return t

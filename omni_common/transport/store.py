@@ -77,14 +77,16 @@ def _stub(address: str) -> tensor_pb2_grpc.TensorStoreStub:
 async def fetch_remote(
     ref: tensor_pb2.TensorRef, max_tensor_bytes: int, chunk_bytes: int = CHUNK_BYTES
 ) -> torch.Tensor:
-    """Pull the tensor behind a RemoteRef from its producer into a fresh tensor."""
+    """Pull the tensor behind a RemoteRef (or a CudaIpcRef this process cannot open) from its
+    producer into a fresh CPU tensor."""
     dtype, shape = check_header(ref, max_tensor_bytes)
-    parse_lease_id(ref.remote.lease_id)
-    if not ref.remote.producer_address:
+    where = ref.cuda_ipc if ref.WhichOneof("location") == "cuda_ipc" else ref.remote
+    parse_lease_id(where.lease_id)
+    if not where.producer_address:
         raise InvalidArgument(f"tensor {ref.name!r}: remote ref without a producer address")
     t, dst = empty_for(dtype, shape)
-    stub = _stub(ref.remote.producer_address)
-    request = tensor_pb2.FetchRequest(lease_id=ref.remote.lease_id, chunk_bytes=chunk_bytes)
+    stub = _stub(where.producer_address)
+    request = tensor_pb2.FetchRequest(lease_id=where.lease_id, chunk_bytes=chunk_bytes)
     received = 0
     try:
         async for chunk in stub.Fetch(request):

@@ -1,18 +1,18 @@
 """TensorTransport: one per process; turns tensors into TensorRefs and back.
 
-Small tensors travel inline; larger ones are copied into this process's shm arena under
-a lease and handed out as a ShmRef (same host) or a RemoteRef (other hosts fetch them
-from our TensorStore). Imports always copy into a fresh tensor the caller owns.
+Small tensors travel inline. A larger tensor on a GPU goes by CUDA IPC when its consumer
+is on the same GPU (route.py says when); otherwise it is copied into this process's shm
+arena under a lease and handed out as a ShmRef (same host) or a RemoteRef (other hosts
+fetch it from our TensorStore). Every export but inline is leased. Imports of small
+tensors copy; large shm imports map the region copy-on-write and CUDA IPC imports alias
+the producer's memory, both valid while the lease is held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import hashlib
-import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -29,48 +29,30 @@ from omni_common.errors import (
     OmniError,
     ResourceExhausted,
     Unavailable,
-    Unimplemented,
 )
 from omnistage.v1 import tensor_pb2
 
+from . import cuda_ipc
 from .arena import ShmArena
 from .codec import byte_array, copy_bytes, decode_inline, dtype_name, encode_inline, host_contiguous
-from .leases import LeaseKey, LeaseTable, parse_lease_id, short, sweep_stale_segments
+from .leases import CUDA_SEGMENT, LeaseKey, LeaseTable, parse_lease_id, short, sweep_stale_segments
 from .peers import PeerMaps, import_shm
+from .route import Consumer, host_id_default, say_once, use_cuda_ipc
 
 # Above this size an import runs in a worker thread so the event loop keeps serving.
 _THREAD_COPY_BYTES = 4 << 20
-
-
-def host_id_default() -> str:
-    """Id of the shared-memory domain: same id means ShmRefs can be mapped.
-
-    OMNISTAGE_HOST_ID wins; otherwise a hash of the machine id (or hostname) and the IPC
-    namespace, so two containers on one machine without a shared /dev/shm differ.
-    """
-    env = os.environ.get("OMNISTAGE_HOST_ID")
-    if env:
-        return env
-    try:
-        machine = Path("/etc/machine-id").read_text().strip()
-    except OSError:
-        machine = ""
-    try:
-        ipc = os.stat("/proc/self/ns/ipc").st_ino
-    except OSError:
-        ipc = 0
-    raw = f"{machine or socket.gethostname()}:{ipc}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+SAME_HOST = Consumer()
 
 
 @dataclass
 class Lease:
     nonce: int
-    segment: int
+    segment: int  # CUDA_SEGMENT for GPU memory
     offset: int
     nbytes: int
     generation: int
     expires_at: float
+    device_buffer: torch.Tensor | None = None  # the exported GPU memory (CUDA IPC)
 
 
 class TensorTransport:
@@ -96,7 +78,7 @@ class TensorTransport:
         self.token = secrets.token_hex(8)
         sweep_stale_segments(self.shm_dir)
         self._arena = ShmArena(self.shm_dir, self.token, segment_bytes)
-        self._table: LeaseTable | None = None  # made on the first shm export
+        self._table: LeaseTable | None = None  # made on the first leased export
         self._leases: dict[int, Lease] = {}
         self._generation = 0
         self._lock = threading.RLock()
@@ -108,23 +90,31 @@ class TensorTransport:
 
     # ---- producer side ---------------------------------------------------------------
 
-    def export(self, name: str, tensor: torch.Tensor, *, consumer_host_id: str = "") -> tensor_pb2.TensorRef:
-        """A TensorRef for `tensor`: inline when small, else a leased copy in the arena."""
-        t = host_contiguous(tensor)
-        dtype = dtype_name(t.dtype)
-        nbytes = t.numel() * t.element_size()
+    def export(
+        self, name: str, tensor: torch.Tensor, *, consumer: Consumer = SAME_HOST
+    ) -> tensor_pb2.TensorRef:
+        """A TensorRef for `tensor`: inline when small; else leased GPU memory (CUDA IPC) when
+        `consumer` is on the same GPU, or a leased copy in the shm arena."""
+        dtype = dtype_name(tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
         if nbytes <= self.inline_threshold:
-            return encode_inline(name, t)
+            return encode_inline(name, tensor)
         if nbytes > self.max_tensor_bytes:
             raise ResourceExhausted(
                 f"tensor {name!r}: {nbytes} bytes exceeds the limit of {self.max_tensor_bytes}"
             )
-        remote = consumer_host_id not in ("", self.host_id)
+        ref = tensor_pb2.TensorRef(name=name, dtype=dtype, shape=list(tensor.shape), nbytes=nbytes)
+        if use_cuda_ipc(consumer, self.host_id, tensor.device):
+            shared = _share(tensor)
+            if shared is not None:
+                return self._lease_shared(ref, shared)
+        remote = consumer.host_id not in ("", self.host_id)
         if remote and not self.address:
             raise OmniError(
                 "this process has no TensorStore address for remote consumers",
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
+        t = host_contiguous(tensor)
         segment, offset = self._arena.allocate(nbytes)
         try:
             # Copy outside the lock: the region is ours until a lease names it.
@@ -132,23 +122,10 @@ class TensorTransport:
             copy_bytes(dst, byte_array(t))
             del dst
             with self._lock:
-                table = self._open_table()
-                self._generation += 1
-                lease_id = table.add(segment, offset, nbytes, self._generation, self.lease_ttl_s)
-                key = parse_lease_id(lease_id)
-                self._leases[key.slot] = Lease(
-                    key.nonce,
-                    segment,
-                    offset,
-                    nbytes,
-                    self._generation,
-                    time.time() + self.lease_ttl_s,
-                )
-                generation = self._generation
+                lease_id, generation = self._book(segment, offset, nbytes)
         except BaseException:
             self._arena.free(segment, offset, nbytes)
             raise
-        ref = tensor_pb2.TensorRef(name=name, dtype=dtype, shape=list(t.shape), nbytes=nbytes)
         if remote:
             ref.remote.producer_address = self.address
             ref.remote.lease_id = lease_id
@@ -160,14 +137,22 @@ class TensorTransport:
             ref.shm.generation = generation
         return ref
 
+    def _lease_shared(self, ref: tensor_pb2.TensorRef, shared: cuda_ipc.Shared) -> tensor_pb2.TensorRef:
+        """Book a lease on exported GPU memory and point `ref` at it."""
+        digest = cuda_ipc.digest(shared.gpu_uuid, shared.handle, shared.event, shared.offset, ref.nbytes)
+        with self._lock:
+            lease_id, _ = self._book(CUDA_SEGMENT, shared.offset, ref.nbytes, digest, shared.buffer)
+        cuda_ipc.fill_ref(ref, shared, lease_id, self.address)
+        return ref
+
     def export_state(
-        self, tensors: dict[str, torch.Tensor], meta: dict[str, str], *, consumer_host_id: str = ""
+        self, tensors: dict[str, torch.Tensor], meta: dict[str, str], *, consumer: Consumer = SAME_HOST
     ) -> tensor_pb2.StageState:
         """Export every tensor; on failure the leases already made are released."""
         state = tensor_pb2.StageState(meta=meta)
         try:
             for name, tensor in tensors.items():
-                state.tensors.append(self.export(name, tensor, consumer_host_id=consumer_host_id))
+                state.tensors.append(self.export(name, tensor, consumer=consumer))
         except BaseException:
             self.release(self.lease_ids(state))
             raise
@@ -197,8 +182,12 @@ class TensorTransport:
             if lease is None:
                 raise NotFound(f"lease {short(lease_id)} not found or expired")
             end = min(lease.nbytes, offset + length)
-            start = lease.offset + offset
-            return self._arena.view(lease.segment)[start : lease.offset + end]
+            buffer = lease.device_buffer
+            if buffer is None:
+                start = lease.offset + offset
+                return self._arena.view(lease.segment)[start : lease.offset + end]
+        # Copy from the GPU outside the lock; the reference keeps the memory meanwhile.
+        return cuda_ipc.lease_bytes(buffer, offset, end)
 
     def lease_nbytes(self, lease_id: str) -> int:
         """Size of a live lease; NotFound when unknown or expired."""
@@ -226,14 +215,15 @@ class TensorTransport:
     # ---- consumer side ---------------------------------------------------------------
 
     def import_tensor_sync(self, ref: tensor_pb2.TensorRef) -> torch.Tensor:
-        """A fresh tensor from an inline or shm TensorRef (no network)."""
+        """The tensor of an inline, shm or CUDA IPC TensorRef (no network): a CPU tensor, or
+        for CUDA IPC a device tensor over the producer's memory."""
         kind = ref.WhichOneof("location")
         if kind == "inline_data" or (kind is None and ref.nbytes == 0):
             return decode_inline(ref, self.max_tensor_bytes)
         if kind == "shm":
             return import_shm(ref, self._peers, self.max_tensor_bytes)
         if kind == "cuda_ipc":
-            raise Unimplemented(f"tensor {ref.name!r}: CUDA IPC handles are not supported yet")
+            return cuda_ipc.open_ipc(ref, self._peers, self.max_tensor_bytes)
         if kind == "remote":
             raise InvalidArgument(f"tensor {ref.name!r}: a remote tensor needs import_state")
         raise InvalidArgument(f"tensor {ref.name!r}: no location")
@@ -249,14 +239,31 @@ class TensorTransport:
             raise InvalidArgument("duplicate tensor names in stage state")
 
         async def one(ref: tensor_pb2.TensorRef) -> torch.Tensor:
-            if ref.WhichOneof("location") == "remote":
+            kind = ref.WhichOneof("location")
+            if kind == "remote":
                 return await fetch_remote(ref, self.max_tensor_bytes)
+            if kind == "cuda_ipc":
+                try:
+                    return self.import_tensor_sync(ref)  # a mapping, not a copy: no thread
+                except cuda_ipc.CannotOpenHere as err:
+                    if not ref.cuda_ipc.producer_address:
+                        raise
+                    # Routed to a replica off the producer's GPU: still served, at fetch speed.
+                    say_once(f"this process cannot open CUDA IPC handles ({err.code.name}); it fetches them")
+                    return await fetch_remote(ref, self.max_tensor_bytes)
             if ref.nbytes >= _THREAD_COPY_BYTES:
                 return await asyncio.to_thread(self.import_tensor_sync, ref)
             return self.import_tensor_sync(ref)
 
         tensors = await asyncio.gather(*(one(ref) for ref in state.tensors))
         return dict(zip(names, tensors, strict=True)), dict(state.meta)
+
+    @staticmethod
+    async def finish_imports(tensors: Iterable[torch.Tensor]) -> None:
+        """Return once the GPU has run the work queued so far on imported device tensors:
+        from then on their leases may end. A stage calls it before it answers, since the
+        coordinator releases its inputs' leases when it hears the answer."""
+        await cuda_ipc.wait_for_queued_work(tensors)
 
     @staticmethod
     def lease_ids(state: tensor_pb2.StageState) -> list[str]:
@@ -301,11 +308,33 @@ class TensorTransport:
             self._drop(key.slot, lease)
             return True
 
+    def _book(
+        self,
+        segment: int,
+        offset: int,
+        nbytes: int,
+        digest: int = 0,
+        device_buffer: torch.Tensor | None = None,
+    ) -> tuple[str, int]:
+        """Write a lease for a region (the caller holds the lock); returns (lease id, generation)."""
+        table = self._open_table()
+        self._generation += 1
+        lease_id = table.add(segment, offset, nbytes, self._generation, self.lease_ttl_s, digest)
+        key = parse_lease_id(lease_id)
+        expires_at = time.time() + self.lease_ttl_s
+        self._leases[key.slot] = Lease(
+            key.nonce, segment, offset, nbytes, self._generation, expires_at, device_buffer
+        )
+        return lease_id, self._generation
+
     def _drop(self, slot: int, lease: Lease) -> None:
         del self._leases[slot]
         if self._table is not None:
             self._table.clear(slot)
-        self._arena.free(lease.segment, lease.offset, lease.nbytes)
+        if lease.device_buffer is not None:
+            lease.device_buffer = None  # the GPU memory goes now (or when a Fetch copy ends)
+        else:
+            self._arena.free(lease.segment, lease.offset, lease.nbytes)
 
     def reap(self) -> int:
         """Free expired leases now; returns how many."""
@@ -320,3 +349,13 @@ class TensorTransport:
         interval = min(max(self.lease_ttl_s / 4, 0.05), 5.0)
         while not self._stop.wait(interval):
             self.reap()
+
+
+def _share(tensor: torch.Tensor) -> cuda_ipc.Shared | None:
+    """Export a CUDA tensor by IPC, or None (said once) when PyTorch's allocator cannot."""
+    try:
+        return cuda_ipc.share(tensor)
+    except RuntimeError as err:
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        say_once(f"PyTorch cannot export this memory by CUDA IPC ({detail})", warn=True)
+        return None

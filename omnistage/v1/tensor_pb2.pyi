@@ -21,18 +21,22 @@ class ShmRef(_message.Message):
     def __init__(self, arena_id: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class CudaIpcRef(_message.Message):
-    __slots__ = ("gpu_uuid", "ipc_handle", "offset", "nbytes", "lease_id")
+    __slots__ = ("gpu_uuid", "ipc_handle", "offset", "nbytes", "lease_id", "event_handle", "producer_address")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     ipc_handle: bytes
     offset: int
     nbytes: int
     lease_id: str
-    def __init__(self, gpu_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    event_handle: bytes
+    producer_address: str
+    def __init__(self, gpu_uuid: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., event_handle: _Optional[bytes] = ..., producer_address: _Optional[str] = ...) -> None: ...
 
 class RemoteRef(_message.Message):
     __slots__ = ("producer_address", "lease_id")

@@ -26,7 +26,7 @@ import torch
 
 from omni_common.errors import DeadlineExceeded, NotFound, OmniError, Unavailable, error_from_rpc
 from omni_common.runtime.rpc import CHUNK_BYTES
-from omni_common.transport import TensorTransport, release_remote, sweep_stale_segments
+from omni_common.transport import Consumer, TensorTransport, release_remote, sweep_stale_segments
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
 from services.coordinator.offload import SwapPolicy
@@ -166,18 +166,20 @@ class RequestFlow:
         outputs: list[str] | None = None,
     ) -> tuple[tensor_pb2.StageState, Replica]:
         """Run `stage` on its best replica (near the inputs), moving on when one is lost.
-        The output's handles suit the host of `then`'s likely replica (shm there, else fetch)."""
+        The output's handles suit `then`'s likely replica (CUDA IPC on its GPU, shm on its
+        host, else fetch); without `then`, this process, which has no GPU, consumes it."""
         near_host = near.info.host_id if near is not None and near.info is not None else ""
         tried: set[str] = set()
         for _ in range(ATTEMPTS):
             replica = self.pool.pick(stage, req.params.model, near_host=near_host, avoid=frozenset(tried))
-            consumer_host = self.transport.host_id
+            consumer = Consumer(self.transport.host_id)
             if then:
                 assert replica.info is not None
-                consumer = self.pool.pick(then, req.params.model, near_host=replica.info.host_id)
-                consumer_host = consumer.info.host_id if consumer.info is not None else consumer_host
+                info = self.pool.pick(then, req.params.model, near_host=replica.info.host_id).info
+                if info is not None:
+                    consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
             try:
-                return await self._call(req, replica, inputs, consumer_host, outputs=outputs), replica
+                return await self._call(req, replica, inputs, consumer, outputs=outputs), replica
             except ReplicaLost as lost:
                 tried.add(replica.address)
                 req.failovers.append(replica.address)
@@ -194,7 +196,7 @@ class RequestFlow:
         req: _Request,
         replica: Replica,
         inputs: tensor_pb2.StageState,
-        consumer_host: str,
+        consumer: Consumer,
         *,
         outputs: list[str] | None = None,
     ) -> tensor_pb2.StageState:
@@ -203,7 +205,9 @@ class RequestFlow:
             request_id=req.request_id,
             params=req.params,
             input=inputs,
-            consumer_host_id=consumer_host,
+            consumer_host_id=consumer.host_id,
+            consumer_gpu_uuid=consumer.gpu_uuid,
+            consumer_ipc_namespace=consumer.ipc_namespace,
             progress_every=req.options.progress_every,
             preview_every=req.options.preview_every,
             outputs=outputs or [],

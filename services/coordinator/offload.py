@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage.v1 import stage_pb2
 from services.coordinator.registry import Replica, ReplicaPool
 
 log = logging.getLogger("omnistage.coordinator")
@@ -129,9 +129,10 @@ class SwapPolicy:
     async def _control(self, replica: Replica, method: str, request: object) -> bool:
         """Sleep or Wake `replica`; False when it refused (the call still goes ahead: a stage
         wakes by itself for a call, and a refused sleep only costs memory)."""
-        stub = stage_pb2_grpc.StageControlStub(replica.channel)
+        if replica.control is None:
+            return False
         try:
-            done = await getattr(stub, method)(request, timeout=CONTROL_TIMEOUT_S)
+            done = await getattr(replica.control, method)(request, timeout=CONTROL_TIMEOUT_S)
         except grpc.RpcError as err:
             log.warning("%s of %s %s failed: %s", method, replica.stage, replica.address, err.details())
             return False

@@ -30,12 +30,12 @@ HEARTBEAT_LEASE_S = 3.0
 class Replica:
     stage: str
     address: str
-    channel: grpc.aio.Channel
     stub: stage_pb2_grpc.StageStub
     info: stage_pb2.StageInfo | None = None
     failures: int = 0
     in_flight: int = 0  # calls this coordinator has running there
     expires_at: float | None = None  # heartbeat lease (None: static, refreshed by Info)
+    control: stage_pb2_grpc.StageControlStub | None = None  # sleep/wake, on the same channel
 
     @property
     def healthy(self) -> bool:
@@ -61,7 +61,12 @@ class ReplicaPool:
 
     def _add(self, stage: str, address: str) -> Replica:
         channel = aio_channel(address)
-        replica = Replica(stage, address, channel, stage_pb2_grpc.StageStub(channel))
+        replica = Replica(
+            stage,
+            address,
+            stage_pb2_grpc.StageStub(channel),
+            control=stage_pb2_grpc.StageControlStub(channel),
+        )
         self.replicas.setdefault(stage, []).append(replica)
         return replica
 

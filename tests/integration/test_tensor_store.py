@@ -12,7 +12,7 @@ import torch
 
 from omni_common.errors import InvalidArgument, NotFound
 from omni_common.runtime.rpc import aio_channel, aio_server
-from omni_common.transport import TensorTransport, add_tensor_store, release_remote
+from omni_common.transport import Consumer, TensorTransport, add_tensor_store, release_remote
 from omni_common.transport.store import fetch_remote
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -48,7 +48,7 @@ def with_store(body: Callable[[TensorTransport, str], Awaitable[None]]) -> None:
 def test_remote_ref_is_fetched_in_chunks_and_released() -> None:
     async def body(tr: TensorTransport, address: str) -> None:
         t = torch.randn(3, 1000, 100).to(torch.bfloat16)  # 600 KB
-        state = tr.export_state({"latents": t}, {"k": "v"}, consumer_host_id="elsewhere")
+        state = tr.export_state({"latents": t}, {"k": "v"}, consumer=Consumer("elsewhere"))
         ref = state.tensors[0]
         assert ref.WhichOneof("location") == "remote" and ref.remote.producer_address == address
         consumer = TensorTransport()
@@ -96,7 +96,7 @@ def test_fetch_status_codes() -> None:
 
 def test_remote_errors_map_to_omni_errors() -> None:
     async def body(tr: TensorTransport, address: str) -> None:
-        ref = tr.export("x", torch.ones(10_000), consumer_host_id="elsewhere")
+        ref = tr.export("x", torch.ones(10_000), consumer=Consumer("elsewhere"))
         bad = tensor_pb2.TensorRef()
         bad.CopyFrom(ref)
         bad.remote.lease_id = ref.remote.lease_id[:-4] + "0000"

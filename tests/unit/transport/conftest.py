@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from omni_common.errors import OmniError
 from omni_common.transport import TensorTransport
+from omnistage.v1 import tensor_pb2
 
 SHM = "/dev/shm"
 
@@ -37,3 +40,39 @@ def make_transport() -> Iterator[Callable[..., TensorTransport]]:
     yield make
     for t in made:
         t.close()
+
+
+def set_field(field: str, value: Any) -> Callable[[tensor_pb2.TensorRef], None]:
+    """An edit of a ref: `field` ("shape", "shm.offset", "cuda_ipc.ipc_handle"...) set to
+    `value`, or to value(ref) when it is callable."""
+
+    def edit(r: tensor_pb2.TensorRef) -> None:
+        *path, name = field.split(".")
+        obj = r
+        for part in path:
+            obj = getattr(obj, part)
+        new = value(r) if callable(value) else value
+        if name == "shape":
+            del r.shape[:]
+            r.shape.extend(new)
+        else:
+            setattr(obj, name, new)
+
+    return edit
+
+
+def forged(ref: tensor_pb2.TensorRef, edit: Callable[[tensor_pb2.TensorRef], None]) -> tensor_pb2.TensorRef:
+    bad = tensor_pb2.TensorRef()
+    bad.CopyFrom(ref)
+    edit(bad)
+    return bad
+
+
+def expect(
+    consumer: TensorTransport, bad: tensor_pb2.TensorRef, err: type[OmniError], full_lease: str
+) -> None:
+    """Importing `bad` fails with `err`, and the message shows no path or lease key."""
+    with pytest.raises(err) as info:
+        consumer.import_tensor_sync(bad)
+    msg = info.value.message
+    assert "/dev/shm" not in msg and full_lease not in msg and "omnistage-" not in msg

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,12 +11,14 @@ from omni_common.errors import (
     Aborted,
     InvalidArgument,
     NotFound,
-    OmniError,
     PermissionDenied,
     ResourceExhausted,
 )
 from omni_common.transport import TensorTransport
 from omnistage.v1 import tensor_pb2
+
+from .conftest import expect, forged
+from .conftest import set_field as _set
 
 
 @pytest.fixture
@@ -26,33 +27,6 @@ def setup(make_transport) -> tuple[TensorTransport, TensorTransport, tensor_pb2.
     consumer = make_transport(inline_threshold=0)
     ref = producer.export("x", torch.arange(1024, dtype=torch.float32))
     return producer, consumer, ref
-
-
-def forged(ref: tensor_pb2.TensorRef, edit: Callable[[tensor_pb2.TensorRef], None]):
-    bad = tensor_pb2.TensorRef()
-    bad.CopyFrom(ref)
-    edit(bad)
-    return bad
-
-
-def expect(consumer: TensorTransport, bad, err: type[OmniError], full_lease: str) -> None:
-    with pytest.raises(err) as info:
-        consumer.import_tensor_sync(bad)
-    msg = info.value.message
-    assert "/dev/shm" not in msg and full_lease not in msg and "omnistage-" not in msg
-
-
-def _set(field: str, value):
-    def edit(r: tensor_pb2.TensorRef) -> None:
-        obj = r.shm if field.startswith("shm.") else r
-        name = field.removeprefix("shm.")
-        if name == "shape":
-            del r.shape[:]
-            r.shape.extend(value)
-        else:
-            setattr(obj, name, value(r) if callable(value) else value)
-
-    return edit
 
 
 CASES = [

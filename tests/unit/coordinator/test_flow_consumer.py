@@ -1,0 +1,70 @@
+"""The coordinator tells each stage who will consume its output, GPU included, so that the
+producer can choose CUDA IPC; the last stage's consumer is the coordinator, with no GPU."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+
+from omni_common.transport import TensorTransport, encode_inline
+from omnistage.v1 import coordinator_pb2 as cpb
+from omnistage.v1 import stage_pb2, tensor_pb2
+from services.coordinator.flow import RequestFlow
+from services.coordinator.registry import Replica, ReplicaPool
+
+STAGES = ("ar-encoder", "dit-denoise", "vae-decode")
+
+
+class RecordingStub:
+    """A stage that answers every Run with a tiny inline "png" and keeps the requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[stage_pb2.StageRequest] = []
+
+    def Run(
+        self, request: stage_pb2.StageRequest, timeout: float | None = None
+    ) -> AsyncIterator[stage_pb2.StageEvent]:
+        self.requests.append(request)
+
+        async def events() -> AsyncIterator[stage_pb2.StageEvent]:
+            png = encode_inline("png", torch.zeros(4, dtype=torch.uint8))
+            output = tensor_pb2.StageState(tensors=[png])
+            yield stage_pb2.StageEvent(result=stage_pb2.StageResult(output=output))
+
+        return events()
+
+
+def test_each_stage_hears_its_consumers_host_namespace_and_gpu(tmp_path: Path) -> None:
+    pool = ReplicaPool()
+    stubs = {}
+    for i, stage in enumerate(STAGES):
+        stubs[stage] = RecordingStub()
+        info = stage_pb2.StageInfo(
+            stage=stage, model="m", host_id="h1", address=f"s{i}:1", gpu_uuid=f"GPU-{i}", ipc_namespace=40 + i
+        )
+        pool.replicas[stage] = [Replica(stage, info.address, stubs[stage], info=info)]  # type: ignore[arg-type]
+    transport = TensorTransport(shm_dir=tmp_path)
+
+    async def emit(event: cpb.GenerateEvent) -> None:
+        pass
+
+    try:
+        flow = RequestFlow(pool, transport, stage_timeout_s=10)
+        asyncio.run(flow.run("r1", stage_pb2.GenerationParams(model="m"), cpb.GenerateRequest(), None, emit))
+    finally:
+        transport.close()
+    [encode], [denoise], [decode] = (stubs[s].requests for s in STAGES)
+    assert (encode.consumer_host_id, encode.consumer_gpu_uuid, encode.consumer_ipc_namespace) == (
+        "h1",
+        "GPU-1",
+        41,
+    )
+    assert (denoise.consumer_host_id, denoise.consumer_gpu_uuid, denoise.consumer_ipc_namespace) == (
+        "h1",
+        "GPU-2",
+        42,
+    )
+    assert (decode.consumer_host_id, decode.consumer_gpu_uuid) == (transport.host_id, "")
