@@ -178,6 +178,7 @@ def main() -> None:
     stages.sleepers["encoder"].wake()
     embeds = stages.encode(request)
     stages.sleepers["encoder"].sleep(1)
+    stages.sleepers["dit"].drop_host_copy()  # layerwise packs its own: both would not fit in RAM
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident_latents, dit_s = timed(device, lambda: stages.denoise(request, embeds))

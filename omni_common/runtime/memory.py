@@ -210,6 +210,11 @@ class WeightSleeper:
         self.level = 0
         return Transition(level, nbytes, time.perf_counter() - started, nbytes)
 
+    def drop_host_copy(self) -> None:
+        """Free the host copy an awake stage keeps for its next sleep (host memory is short)."""
+        if self.awake:
+            self._host = {}
+
     def _reloaded(self) -> Mapping[str, torch.Tensor]:
         assert self.reload is not None
         weights = self.reload()
