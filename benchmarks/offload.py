@@ -179,6 +179,8 @@ def main() -> None:
     embeds = stages.encode(request)
     stages.sleepers["encoder"].sleep(1)
     stages.sleepers["dit"].drop_host_copy()  # layerwise packs its own: both would not fit in RAM
+    if hasattr(torch._C, "_host_emptyCache"):  # PyTorch caches freed pinned memory: give it back
+        torch._C._host_emptyCache()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     resident_latents, dit_s = timed(device, lambda: stages.denoise(request, embeds))
