@@ -70,7 +70,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         events: asyncio.Queue[cpb.GenerateEvent | None] = asyncio.Queue()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        task = asyncio.create_task(self._run(request_id, params, request, deadline, events))
+        task = asyncio.create_task(self.flow.run(request_id, params, request, deadline, events.put))
+        # A done callback, not a `finally` in the task: a task cancelled before it first runs
+        # (a Cancel racing the accept) never executes its body, and the stream would hang.
+        task.add_done_callback(lambda _: events.put_nowait(_DONE))
         self.in_flight[request_id] = task
         log.info(
             "request %s accepted: %dx%d, %d steps",
@@ -96,19 +99,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             log.info("request %s failed: %s %s", request_id, error.code.name, error.message)
             yield cpb.GenerateEvent(error=cpb.Error(code=error.code.name, message=error.message))
             await abort(context, error)
-
-    async def _run(
-        self,
-        request_id: str,
-        params: stage_pb2.GenerationParams,
-        request: cpb.GenerateRequest,
-        deadline: float | None,
-        events: asyncio.Queue[cpb.GenerateEvent | None],
-    ) -> None:
-        try:
-            await self.flow.run(request_id, params, request, deadline, events.put)
-        finally:
-            events.put_nowait(_DONE)
 
     async def Cancel(
         self, request: cpb.CancelRequest, context: grpc.aio.ServicerContext
