@@ -79,7 +79,6 @@ class SwapPolicy:
     def __init__(self, pool: ReplicaPool, budget_bytes: int = 0) -> None:
         self.pool = pool
         self.budget_bytes = budget_bytes  # 0: DEFAULT_BUDGET_SHARE of the device's memory
-        self.swaps = 0
         self._turns: dict[str, DeviceTurns] = {}
         self._asleep: dict[str, bool] = {}  # by address; what the replica last told us
 
@@ -124,7 +123,6 @@ class SwapPolicy:
                 awake_bytes -= other.info.weight_bytes
         if self._is_asleep(replica):
             await self._control(replica, "Wake", stage_pb2.WakeRequest())
-            self.swaps += 1
 
     async def _control(self, replica: Replica, method: str, request: object) -> bool:
         """Sleep or Wake `replica`; False when it refused (the call still goes ahead: a stage
