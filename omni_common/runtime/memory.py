@@ -9,7 +9,10 @@ Sleep level 1 copies every weight to (pinned) host memory and frees the device c
 drops the weights and wake reloads them with the family's loader. Both keep the module
 objects, so nothing that holds a reference to them notices. Served weights never change, so
 level 1 keeps its host copy after a wake: the next sleep only frees device memory, and a
-swap costs one host-to-device copy (the price: host memory for a copy of the weights).
+swap costs one host-to-device copy (the price: host memory for a copy of the weights). The
+copy is packed (omni_common.runtime.packing): a wake is a few large copies at the link's
+bandwidth, and a sleep hands the memory back to the device (empty_cache), so another
+process on the GPU can use it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from omni_common.models.base import MODULE_ROLES as ROLES
 from omni_common.models.base import ModuleDeclaration
+from omni_common.runtime.packing import Packed, pack_chunks, unpack
 
 log = logging.getLogger("omnistage.memory")
 
@@ -141,6 +145,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release(device: torch.device) -> None:
+    """Give freed device memory back to the driver: PyTorch's allocator would keep it cached
+    for this process, out of reach of the other processes on the GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 class WeightSleeper:
     """Sleep and wake of one stage's modules. The caller makes sure no forward runs meanwhile.
 
@@ -158,7 +170,8 @@ class WeightSleeper:
         self.device = device
         self.reload = reload  # level 2: full-path name -> weights, from the family's loader
         self.level = 0  # 0 = awake
-        self._host: dict[str, torch.Tensor] = {}  # level 1: the weights, in host memory (kept)
+        # Level 1: the weights packed in host memory, kept across wakes (they never change).
+        self._host: list[Packed] | None = None
         self._moved: list[str] = []
 
     @property
@@ -173,23 +186,19 @@ class WeightSleeper:
         if not self.awake:
             return Transition(0, 0, 0.0)
         started = time.perf_counter()
-        nbytes = copied = 0
-        pin = self.device.type == "cuda"
+        # Tensors that hold nothing on the device (blocks offloaded layerwise) stay as they are.
+        weights = [(name, tensor) for name, tensor in self.modules.named_weights() if tensor.numel()]
+        nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
+        copied = 0
         if level == 2:
-            self._host = {}
-        for name, tensor in self.modules.named_weights():
-            if tensor.numel() == 0:
-                continue
-            size = tensor.numel() * tensor.element_size()
-            nbytes += size
-            if level == 1 and name not in self._host:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-                host.copy_(tensor, non_blocking=pin)
-                self._host[name] = host
-                copied += size
+            self._host = None
+        elif self._host is None:
+            self._host = pack_chunks([tensor for _, tensor in weights], pin=self.device.type == "cuda")
+            copied = nbytes
+        for name, tensor in weights:
             self._moved.append(name)
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        _synchronize(self.device)
+        _release(self.device)
         self.level = level
         return Transition(level, nbytes, time.perf_counter() - started, copied)
 
@@ -198,13 +207,17 @@ class WeightSleeper:
             return Transition(0, 0, 0.0)
         started = time.perf_counter()
         level = self.level
-        source = self._host if level == 1 else self._reloaded()
-        current = dict(self.modules.named_weights())
-        nbytes = 0
-        for name in self._moved:
-            weights = source[name]
-            current[name].data = weights.to(self.device, non_blocking=True)
-            nbytes += weights.numel() * weights.element_size()
+        if level == 1:
+            assert self._host is not None
+            unpack(self._host, self.device)
+            nbytes = sum(item.nbytes for _, layout in self._host for item in layout)
+        else:
+            source = self._reloaded()
+            current = dict(self.modules.named_weights())
+            nbytes = 0
+            for name in self._moved:
+                current[name].data = source[name].to(self.device, non_blocking=True)
+                nbytes += source[name].numel() * source[name].element_size()
         _synchronize(self.device)
         self._moved = []
         self.level = 0
@@ -213,7 +226,7 @@ class WeightSleeper:
     def drop_host_copy(self) -> None:
         """Free the host copy an awake stage keeps for its next sleep (host memory is short)."""
         if self.awake:
-            self._host = {}
+            self._host = None
 
     def _reloaded(self) -> Mapping[str, torch.Tensor]:
         assert self.reload is not None

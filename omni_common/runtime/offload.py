@@ -14,44 +14,13 @@ dropped and copied back, so CI exercises the whole path.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-_ALIGN = 256  # byte alignment of each tensor inside a packed block (any dtype can view it)
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """One tensor of a block: where it lives inside the block's packed buffer."""
-
-    tensor: torch.Tensor
-    shape: torch.Size
-    offset: int
-    nbytes: int
-
-    def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This tensor's weights inside a packed byte buffer (host or device slot)."""
-        raw = buffer[self.offset : self.offset + self.nbytes]
-        return raw.view(self.tensor.dtype).view(self.shape)
-
-
-def _pack(block: nn.Module, pin: bool) -> tuple[torch.Tensor, list[_Packed]]:
-    """Copy a block's parameters and buffers into one (pinned) host byte buffer."""
-    tensors = list(dict.fromkeys([*block.parameters(), *block.buffers()]))  # each once
-    layout, size = [], 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append(_Packed(tensor, tensor.shape, size, nbytes))
-        size += -(-nbytes // _ALIGN) * _ALIGN
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-    for item in layout:
-        source = item.tensor.detach().contiguous().view(-1).view(torch.uint8).cpu()
-        host[item.offset : item.offset + item.nbytes].copy_(source)
-    return host, layout
+from omni_common.runtime.packing import PackedTensor, pack
 
 
 class LayerwiseOffload:
@@ -63,9 +32,9 @@ class LayerwiseOffload:
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.bytes_moved = 0  # host-to-device bytes since construction
-        self._host: list[tuple[torch.Tensor, list[_Packed]]] = []
+        self._host: list[tuple[torch.Tensor, list[PackedTensor]]] = []
         for block in self.blocks:
-            host, layout = _pack(block, pin=cuda)
+            host, layout = pack([*block.parameters(), *block.buffers()], pin=cuda)
             for item in layout:
                 _drop(item.tensor, device)
             self._host.append((host, layout))

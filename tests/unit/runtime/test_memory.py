@@ -138,6 +138,10 @@ def test_sleep_and_wake_leave_outputs_bitwise_unchanged(tiny_model: Path, level:
     woken = sleeper.wake()
     assert (woken.level, woken.nbytes) == (level, total) and sleeper.awake
     assert torch.equal(run_denoiser(family, tiny_model, denoiser), before)
+    if level == 1:  # packed: the weights came back as views of one buffer (the tiny model
+        # fits one chunk), in one copy
+        storages = {t.untyped_storage().data_ptr() for _, t in modules.named_weights()}
+        assert len(storages) == 1
     # Weights do not change while served: level 1 kept its host copy, so sleeping again
     # copies nothing; level 2 drops everything again.
     again = sleeper.sleep(level)
