@@ -57,11 +57,17 @@ def emit(row: dict[str, object]) -> None:
 
 
 def run_cluster(args: argparse.Namespace, log_dir: Path) -> Side:
-    env = {"OMNISTAGE_DEVICE": "cuda:0", "OMNISTAGE_MAX_BATCH": str(args.concurrency)}
+    env = {
+        "OMNISTAGE_DEVICE": "cuda:0",
+        "OMNISTAGE_MAX_BATCH": str(args.concurrency),
+        # The DiT compiles and captures the batch sizes it will serve before it reports ready.
+        "OMNISTAGE_CAPTURE_SIZES": ",".join(f"{size}x{size}" for size in args.sizes),
+    }
     plan = loopback_plan(args.model, dtype="bfloat16", extra_env=env)
     out = Side()
     started = time.perf_counter()
-    with LocalCluster(plan, log_dir=log_dir) as cluster, Client(cluster.coordinator) as client:
+    # Compiling and capturing a 20 B DiT before it reports ready takes a minute or two.
+    with LocalCluster(plan, log_dir, start_timeout_s=600) as cluster, Client(cluster.coordinator) as client:
         emit({"side": "cluster", "start_s": round(time.perf_counter() - started, 1)})
         for size in args.sizes:
             options = {"width": size, "height": size, "steps": args.steps, "guidance": 1.0}
@@ -174,11 +180,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--logs", type=Path, help="keep the services' logs here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_headline.py needs a CUDA device")
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = run_cluster(args, Path(tmp))
+        cluster = run_cluster(args, args.logs or Path(tmp))
     diffusers = run_diffusers(args)
     summary: dict[str, object] = {"device": torch.cuda.get_device_name(0), "steps": args.steps}
     for size in args.sizes:

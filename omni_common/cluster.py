@@ -149,13 +149,16 @@ def local_plan(
 class LocalCluster:
     """Starts a plan's processes, waits for health, stops them all (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, plan: list[LocalProcess], log_dir: Path | None = None) -> None:
+    def __init__(
+        self, plan: list[LocalProcess], log_dir: Path | None = None, start_timeout_s: float = 180.0
+    ) -> None:
         self.plan = plan
         self.log_dir = log_dir
+        self.start_timeout_s = start_timeout_s
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
     def __enter__(self) -> LocalCluster:
-        self.start()
+        self.start(self.start_timeout_s)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -52,6 +52,21 @@ class GenerationRequest:
         return self.true_cfg_scale > 1 and self.negative_prompt != ""
 
 
+@dataclass(frozen=True)
+class DenoiserOptions:
+    """How a denoiser runs its transformer on its device (the DiT stage's flags)."""
+
+    # Replay each forward as a CUDA graph, captured once per bucket of shapes (CUDA only).
+    cuda_graphs: bool = False
+    # (width, height) sizes whose graphs are captured at load, for every batch up to max_batch.
+    capture_sizes: tuple[tuple[int, int], ...] = ()
+    max_batch: int = 8
+    # A diffusers attention backend ("_native_cudnn", "_native_flash", ...); "" keeps the default.
+    attention_backend: str = ""
+    # torch.compile the transformer's repeated blocks.
+    compile: bool = False
+
+
 @dataclass
 class StageState:
     """What one stage hands the next: named CPU or device tensors plus string metadata."""
@@ -115,6 +130,11 @@ class DenoiserRunner(Protocol):
         """The final latents (and their size metadata) for the decoder."""
         ...
 
+    def forget_cuda_graphs(self) -> None:
+        """Drop captured CUDA graphs: they hold the weights' device addresses, which a sleep
+        frees (later forwards capture them again). Nothing to do without graphs."""
+        ...
+
 
 class DecoderRunner(Protocol):
     """Latents -> images."""
@@ -137,6 +157,12 @@ class ModelFamily(Protocol):
 
     def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> EncoderRunner: ...
 
-    def load_denoiser(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> DenoiserRunner: ...
+    def load_denoiser(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        options: DenoiserOptions | None = None,
+    ) -> DenoiserRunner: ...
 
     def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> DecoderRunner: ...

@@ -48,6 +48,11 @@ class StageConfig:
     vllm_memory_fraction: float = 0.1
     offload: str = "none"
     metrics_port: int = 0
+    # dit-denoise execution (DenoiserOptions); auto = on for a CUDA device.
+    cuda_graphs: str = "auto"
+    capture_sizes: tuple[tuple[int, int], ...] = ()
+    attention_backend: str = ""
+    compile: str = "auto"
 
     @property
     def bind_address(self) -> str:
@@ -173,6 +178,32 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="ar-encoder with --backend vllm: share of device memory (CPU: of RAM) for vLLM",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        default=env("CUDA_GRAPHS", "auto"),
+        choices=("auto", "on", "off"),
+        help="dit-denoise: replay each forward as a CUDA graph (auto: on a CUDA device without "
+        "layerwise offload)",
+    )
+    parser.add_argument(
+        "--capture-sizes",
+        default=env("CAPTURE_SIZES", ""),
+        help="dit-denoise: WxH sizes (comma-separated, e.g. 512x512,1024x1024) whose CUDA graphs "
+        "are captured at start for every batch up to --max-batch; others are captured on first use",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=env("ATTENTION_BACKEND", ""),
+        help="dit-denoise: a diffusers attention backend (_native_cudnn, _native_flash, "
+        "_native_efficient, ...); empty keeps diffusers' default",
+    )
+    parser.add_argument(
+        "--compile",
+        default=env("COMPILE", "auto"),
+        choices=("auto", "on", "off"),
+        help="dit-denoise: torch.compile the transformer's repeated blocks (auto: on a CUDA device "
+        "without layerwise offload)",
+    )
+    parser.add_argument(
         "--advertise-host",
         default=env("ADVERTISE_HOST", ""),
         help="host name peers use to reach this replica (default: --host)",
@@ -207,7 +238,22 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         advertise_host=args.advertise_host,
         offload=args.offload,
         metrics_port=args.metrics_port,
+        cuda_graphs=args.cuda_graphs,
+        capture_sizes=parse_sizes(args.capture_sizes),
+        attention_backend=args.attention_backend,
+        compile=args.compile,
     )
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """ "512x512,1024x768" -> ((512, 512), (1024, 768)) as (width, height)."""
+    sizes = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        width, sep, height = item.partition("x")
+        if not sep or not width.isdigit() or not height.isdigit():
+            raise SystemExit(f"--capture-sizes takes WIDTHxHEIGHT items, not {item!r}")
+        sizes.append((int(width), int(height)))
+    return tuple(sizes)
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:

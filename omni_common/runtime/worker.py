@@ -62,6 +62,7 @@ class Worker:
         self.weight_bytes = 0
         self.sleeper = WeightSleeper(self.modules, self.device)
         self.layerwise: list[LayerwiseOffload] = []
+        self._forget_weight_addresses: Callable[[], None] = lambda: None
         self._memory_lock = asyncio.Lock()  # one sleep/wake at a time, none under a new call
         self.on_memory_change: Callable[[], Awaitable[None]] | None = None  # e.g. health
         log.info(
@@ -78,9 +79,18 @@ class Worker:
         """The stage's load signal for routing; stages refine it."""
         return self.in_flight
 
-    def manage_memory(self, runner: object, reload: Callable[[], object] | None = None) -> None:
+    def manage_memory(
+        self,
+        runner: object,
+        reload: Callable[[], object] | None = None,
+        forget_weight_addresses: Callable[[], None] | None = None,
+    ) -> None:
         """Find the runner's modules from the family's declaration, for sleep/wake and (with
-        `--offload layerwise`) layerwise offload. `reload` builds a fresh runner (sleep level 2)."""
+        `--offload layerwise`) layerwise offload. `reload` builds a fresh runner (sleep level 2);
+        `forget_weight_addresses` drops what holds the weights' device addresses (CUDA
+        graphs), called once they have left the device: a wake puts them elsewhere."""
+        if forget_weight_addresses is not None:
+            self._forget_weight_addresses = forget_weight_addresses
         role = STAGE_ROLES[self.stage]
         self.modules = discover_modules(runner, self.family.modules, role)
         self.weight_bytes = self.modules.weight_bytes()
@@ -124,6 +134,7 @@ class Worker:
                     f"{self.stage} has {self.in_flight} calls in flight; it can sleep once they finish"
                 )
             done = await self.compute(self.sleeper.sleep, level)
+            await self.compute(self._forget_weight_addresses)
         await self._changed()
         if done.nbytes:
             log.info(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.worker import Progress, StageCall, Worker
 from services.dit_denoise.scheduler import StepScheduler
@@ -18,9 +18,13 @@ from services.dit_denoise.scheduler import StepScheduler
 class DenoiseWorker(Worker):
     def __init__(self, config: StageConfig) -> None:
         super().__init__(config)
-        self.runner = self.family.load_denoiser(config.model_dir, self.device, self.dtype)
+        self.runner = self.family.load_denoiser(
+            config.model_dir, self.device, self.dtype, self.denoiser_options(config)
+        )
         self.manage_memory(
-            self.runner, reload=lambda: self.family.load_denoiser(config.model_dir, self.device, self.dtype)
+            self.runner,
+            reload=lambda: self.family.load_denoiser(config.model_dir, self.device, self.dtype),
+            forget_weight_addresses=self.runner.forget_cuda_graphs,
         )
         self.scheduler = StepScheduler(
             self.runner,
@@ -29,6 +33,25 @@ class DenoiseWorker(Worker):
             max_tokens=config.max_tokens,
             max_queue=config.max_queue,
         )
+
+    def denoiser_options(self, config: StageConfig) -> DenoiserOptions:
+        """The execution flags. `auto` turns CUDA graphs and torch.compile on for a CUDA device
+        (measured on Qwen-Image at 512x512: a forward 1.7x faster replayed, 1.3x compiled;
+        docs/benchmarks.md), except under layerwise offload, whose per-block copies neither a
+        graph nor a compiled block may bake in."""
+        return DenoiserOptions(
+            cuda_graphs=self._flag("--cuda-graphs", config.cuda_graphs),
+            capture_sizes=config.capture_sizes,
+            max_batch=config.max_batch,
+            attention_backend=config.attention_backend,
+            compile=self._flag("--compile", config.compile),
+        )
+
+    def _flag(self, name: str, value: str) -> bool:
+        possible = self.device.type == "cuda" and self.config.offload != "layerwise"
+        if value == "on" and not possible:
+            raise SystemExit(f"dit-denoise: {name} on needs a CUDA device and no layerwise offload")
+        return value == "on" or (value == "auto" and possible)
 
     def load(self) -> int:
         """Remaining denoise steps times image tokens, over every request here."""

@@ -28,10 +28,15 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
-from omni_common.models.base import DenoiseState, GenerationRequest, StageState
+from omni_common.models.base import DenoiserOptions, DenoiseState, GenerationRequest, StageState
+from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
 from omni_common.models.weights import load_component
+from omni_common.runtime.cuda_graphs import Inputs
 
 DEFAULT_VAE_SCALE_FACTOR = 8
+# Graphs captured at start cover prompts of up to this many tokens (most prompts); a longer
+# prompt's bucket is captured when it first comes.
+CAPTURE_TEXT_TOKENS = 64
 
 
 def vae_scale_factor_for(model_dir: Path) -> int:
@@ -75,14 +80,48 @@ class QwenImageDenoiser:
         self.device = device
         self.dtype = dtype
         self.vae_scale_factor = vae_scale_factor
+        self.graphed: GraphedTransformer | None = None
 
     @classmethod
-    def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDenoiser:
+    def load(
+        cls,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        options: DenoiserOptions | None = None,
+    ) -> QwenImageDenoiser:
         """Load transformer/ and the scheduler config of a diffusers Qwen-Image directory."""
         transformer = load_component(QwenImageTransformer2DModel, model_dir / "transformer", device, dtype)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")
         vae_scale_factor = vae_scale_factor_for(model_dir)
-        return cls(transformer, scheduler, device, dtype, vae_scale_factor)
+        denoiser = cls(transformer, scheduler, device, dtype, vae_scale_factor)
+        if options is not None:
+            denoiser.configure(options)
+        return denoiser
+
+    def configure(self, options: DenoiserOptions) -> None:
+        """Attention backend, compilation and CUDA graphs (captured ahead for the sizes asked)."""
+        if options.attention_backend:
+            self.transformer.set_attention_backend(options.attention_backend)
+        if options.compile:
+            self.transformer.compile_repeated_blocks(fullgraph=True)
+        if not options.cuda_graphs:
+            return
+        if self.device.type != "cuda":
+            raise InvalidArgument(f"CUDA graphs need a CUDA device; this denoiser runs on {self.device}")
+        self.graphed = GraphedTransformer(self.transformer, transformer_forward, self.device)
+        rows = [b for b in BATCH_BUCKETS if b <= options.max_batch]
+        texts = [t for t in TEXT_BUCKETS if t <= CAPTURE_TEXT_TOKENS]
+        for width, height in options.capture_sizes:
+            img_shape = self.img_shape(width, height)
+            with torch.inference_mode():
+                for batch in rows:
+                    for text in texts:
+                        self.graphed.capture(batch, img_shape, text, self.dtype)
+
+    def img_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        """(frames, patch rows, patch columns) of an image of `width` x `height` pixels."""
+        return (1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> QwenImageDenoiseState:
         """Initial noise exactly as the pipeline draws it, timesteps, a fresh scheduler."""
@@ -100,7 +139,7 @@ class QwenImageDenoiser:
             (1, 1, channels, height, width), generator=generator, device=self.device, dtype=self.dtype
         )
         latents = QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
-        img_shapes = [[(1, height // 2, width // 2)]]
+        img_shapes = [[self.img_shape(request.width, request.height)]]
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
         steps = request.num_inference_steps
@@ -220,18 +259,17 @@ class QwenImageDenoiser:
         timestep: torch.Tensor,
         embeds: torch.Tensor,
         mask: torch.Tensor | None,
-        img_shapes: list[list[tuple[int, int, int]]],
+        img_shapes: ImgShapes,
     ) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=latents,
-            timestep=timestep / 1000,
-            guidance=None,
-            encoder_hidden_states_mask=mask,
-            encoder_hidden_states=embeds.to(self.dtype),
-            img_shapes=img_shapes,
-            attention_kwargs={},
-            return_dict=False,
-        )[0]
+        embeds = embeds.to(self.dtype)
+        if self.graphed is not None:
+            replayed = self.graphed(latents, timestep, embeds, mask, img_shapes)
+            if replayed is not None:
+                return replayed
+        inputs = {"latents": latents, "timestep": timestep, "embeds": embeds}
+        if mask is not None:
+            inputs["mask"] = mask
+        return transformer_forward(self.transformer, inputs, img_shapes)
 
     def is_done(self, state: DenoiseState) -> bool:
         return state.step_index >= state.total_steps
@@ -275,6 +313,10 @@ class QwenImageDenoiser:
         state.step_index = step_index
         state.scheduler.set_begin_index(step_index)
 
+    def forget_cuda_graphs(self) -> None:
+        if self.graphed is not None:
+            self.graphed.cache.clear()
+
     def finish(self, state: DenoiseState) -> StageState:
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
         assert isinstance(state, QwenImageDenoiseState)
@@ -283,6 +325,23 @@ class QwenImageDenoiser:
             tensors={"latents": state.latents},
             meta={"height": str(request.height), "width": str(request.width)},
         )
+
+
+def transformer_forward(
+    transformer: QwenImageTransformer2DModel, inputs: Inputs, img_shapes: ImgShapes
+) -> torch.Tensor:
+    """The transformer call of QwenImagePipeline's loop; the timestep is scaled to [0, 1]
+    here, as the pipeline does, and "mask" may be absent (no padded prompt)."""
+    return transformer(
+        hidden_states=inputs["latents"],
+        timestep=inputs["timestep"] / 1000,
+        guidance=None,
+        encoder_hidden_states_mask=inputs.get("mask"),
+        encoder_hidden_states=inputs["embeds"],
+        img_shapes=img_shapes,
+        attention_kwargs={},
+        return_dict=False,
+    )[0]
 
 
 def guide(noise_pred: torch.Tensor, neg_noise_pred: torch.Tensor, scale: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import GenerationRequest, ModuleDeclaration
+from omni_common.models.base import DenoiserOptions, GenerationRequest, ModuleDeclaration
 from omni_common.models.qwenimage.decode import QwenImageDecoder
 from omni_common.models.qwenimage.denoise import DEFAULT_VAE_SCALE_FACTOR, QwenImageDenoiser
 from omni_common.models.qwenimage.encode import TOKENIZER_MAX_LENGTH, QwenImageEncoder
@@ -61,8 +61,14 @@ class QwenImageFamily:
     def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageEncoder:
         return QwenImageEncoder.load(Path(model_dir), device, dtype)
 
-    def load_denoiser(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDenoiser:
-        return QwenImageDenoiser.load(Path(model_dir), device, dtype)
+    def load_denoiser(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        options: DenoiserOptions | None = None,
+    ) -> QwenImageDenoiser:
+        return QwenImageDenoiser.load(Path(model_dir), device, dtype, options)
 
     def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:
         return QwenImageDecoder.load(Path(model_dir), device, dtype)

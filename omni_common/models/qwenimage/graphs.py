@@ -1,0 +1,145 @@
+"""QwenImageTransformer2DModel's forward as replayed CUDA graphs.
+
+A graph needs static shapes, so a forward's inputs are padded to buckets: the batch to the
+next of BATCH_BUCKETS (extra rows repeat the first), the prompt to the next of TEXT_BUCKETS
+(zero embeddings, masked out). Padding is exact in value: a masked text token reaches no
+other token (the joint attention's key mask), and the padded rows are dropped. It is not
+bitwise: the masked attention kernel sums in another order than the unmasked one, so a
+graphed forward equals the eager one up to float rounding (tests/gpu check both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers import transformer_qwenimage
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+
+from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
+
+ImgShapes = list[list[tuple[int, int, int]]]
+# The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
+Forward = Callable[[QwenImageTransformer2DModel, Inputs, ImgShapes], torch.Tensor]
+
+
+def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket that holds `value`; None when none does."""
+    return next((b for b in buckets if b >= value), None)
+
+
+def padded_inputs(
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    embeds: torch.Tensor,
+    mask: torch.Tensor | None,
+    batch: int,
+    text: int,
+) -> Inputs:
+    """One forward's inputs padded to `batch` rows and `text` prompt tokens, with the int64
+    text mask (1 valid, 0 padding) that makes the padding invisible."""
+    rows, length = embeds.shape[:2]
+    if mask is None:
+        mask = torch.ones((rows, length), dtype=torch.long, device=embeds.device)
+    padded = {
+        "latents": latents,
+        "timestep": timestep,
+        "embeds": F.pad(embeds, (0, 0, 0, text - length)),
+        "mask": F.pad(mask.to(torch.long), (0, text - length)),
+    }
+    if batch > rows:
+        padded = {
+            name: torch.cat([value, value[:1].expand(batch - rows, *value.shape[1:])])
+            for name, value in padded.items()
+        }
+    return padded
+
+
+@contextlib.contextmanager
+def capturable_text_mask() -> Iterator[None]:
+    """While capturing, swap diffusers' `compute_text_seq_len_from_mask` for one without its
+    per-sample lengths.
+
+    diffusers 0.42 builds those lengths with `torch.as_tensor(int, device=...)`, a host to
+    device copy that a CUDA graph capture refuses; QwenImageTransformer2DModel.forward
+    discards them (it keeps the sequence length and the bool mask, which this returns the
+    same). tests/unit/models/test_qwenimage_graphs.py pins that the forward is unchanged.
+    """
+    original = transformer_qwenimage.compute_text_seq_len_from_mask
+
+    def without_lengths(
+        encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None
+    ) -> tuple[int, None, torch.Tensor | None]:
+        mask = encoder_hidden_states_mask
+        return encoder_hidden_states.shape[1], None, (None if mask is None else mask.to(torch.bool))
+
+    transformer_qwenimage.compute_text_seq_len_from_mask = without_lengths
+    try:
+        yield
+    finally:
+        transformer_qwenimage.compute_text_seq_len_from_mask = original
+
+
+class GraphedTransformer:
+    """The transformer's forward by bucket: captured on first use (or ahead, `capture`) and
+    replayed after where a replay pays, else run eagerly on the same padded inputs. Either
+    way a compiled transformer only ever sees the bucket shapes, which `capture` compiles
+    ahead, so no request waits for a recompilation. Shapes beyond the largest bucket return
+    None: the caller runs them as they are."""
+
+    def __init__(
+        self,
+        transformer: QwenImageTransformer2DModel,
+        forward: Forward,
+        device: torch.device,
+        max_graphs: int = 64,
+    ) -> None:
+        self.transformer = transformer
+        self.forward = forward
+        self.device = device
+        self.cache = CudaGraphCache(device, max_graphs=max_graphs)
+
+    def __call__(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor | None,
+        img_shapes: ImgShapes,
+    ) -> torch.Tensor | None:
+        rows, image_tokens = latents.shape[:2]
+        batch, text = bucket(rows, BATCH_BUCKETS), bucket(embeds.shape[1], TEXT_BUCKETS)
+        if batch is None or text is None:
+            return None
+        inputs = padded_inputs(latents, timestep, embeds, mask, batch, text)
+        key = (batch, text, image_tokens, img_shapes[0][0], latents.dtype)
+        shapes = [img_shapes[0]] * batch
+
+        def run(static: Inputs) -> torch.Tensor:
+            with capturable_text_mask():
+                return self.forward(self.transformer, static, shapes)
+
+        output = self.cache.run(key, inputs, run)
+        if output is None:  # no graph for this bucket: eager, on the bucket's shapes
+            output = self.forward(self.transformer, inputs, shapes)
+        return output[:rows]
+
+    def capture(self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype) -> bool:
+        """Capture the bucket of `rows` requests at one image shape (frames, patch rows, patch
+        columns) and `text` prompt tokens ahead of the first request."""
+        frames, height, width = img_shape
+        channels = self.transformer.config["in_channels"]
+        dim = self.transformer.config["joint_attention_dim"]
+        out = self(
+            torch.zeros((rows, frames * height * width, channels), dtype=dtype, device=self.device),
+            torch.full((rows,), 1000.0, dtype=dtype, device=self.device),
+            torch.zeros((rows, text, dim), dtype=dtype, device=self.device),
+            None,
+            [[img_shape]] * rows,
+        )
+        return out is not None

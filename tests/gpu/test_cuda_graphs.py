@@ -1,0 +1,122 @@
+"""The Qwen-Image DiT replayed as CUDA graphs on the tiny fixture (skipped without CUDA).
+
+A replay must give what the eager forward gives on the same padded inputs, follow new input
+values through its static buffers, take a new graph only for a new bucket, and survive the
+weights moving (sleep/wake) by capturing again. fp32, so differences are float rounding
+(~1e-7 here; see tests/unit/models/test_qwenimage_graphs.py for the padding's own tolerance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
+from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.denoise import transformer_forward
+from omni_common.models.qwenimage.family import MODULES
+from omni_common.runtime.memory import WeightSleeper, discover_modules
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)"),
+]
+
+DEVICE = torch.device("cuda", 0)
+ATOL = 1e-5
+
+
+@pytest.fixture
+def denoiser(tiny_model: Path):
+    return QwenImageFamily().load_denoiser(
+        tiny_model, DEVICE, torch.float32, DenoiserOptions(cuda_graphs=True)
+    )
+
+
+def forward_inputs(denoiser, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    config = denoiser.transformer.config
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    img_shape = denoiser.img_shape(64, 64)
+    latents = torch.randn(
+        (rows, img_shape[1] * img_shape[2], config["in_channels"]), generator=generator, device=DEVICE
+    )
+    timestep = torch.rand((rows,), generator=generator, device=DEVICE) * 1000
+    embeds = torch.randn((rows, 9, config["joint_attention_dim"]), generator=generator, device=DEVICE)
+    return latents, timestep, embeds, [[img_shape]] * rows
+
+
+def eager(denoiser, latents, timestep, embeds, img_shapes) -> torch.Tensor:
+    inputs = {"latents": latents, "timestep": timestep, "embeds": embeds}
+    with torch.inference_mode():
+        return transformer_forward(denoiser.transformer, inputs, img_shapes)
+
+
+def graphed(denoiser, latents, timestep, embeds, img_shapes) -> torch.Tensor:
+    with torch.inference_mode():
+        return denoiser._forward(latents, timestep, embeds, None, img_shapes)
+
+
+def test_a_replay_equals_the_eager_forward_and_follows_new_inputs(denoiser) -> None:
+    for seed in (0, 1):  # the second call replays the graph the first one captured
+        args = forward_inputs(denoiser, 3, seed)
+        torch.testing.assert_close(graphed(denoiser, *args), eager(denoiser, *args), atol=ATOL, rtol=0)
+    assert len(denoiser.graphed.cache) == 1  # 3 rows -> the bucket of 4, one graph
+
+
+def test_each_bucket_gets_its_own_graph(denoiser) -> None:
+    for rows in (1, 2, 3, 4, 5):
+        args = forward_inputs(denoiser, rows, rows)
+        torch.testing.assert_close(graphed(denoiser, *args), eager(denoiser, *args), atol=ATOL, rtol=0)
+    assert len(denoiser.graphed.cache) == 4  # buckets 1, 2, 4, 8
+
+
+def test_graphs_are_captured_again_after_the_weights_moved(denoiser) -> None:
+    args = forward_inputs(denoiser, 1, 0)
+    before = graphed(denoiser, *args)
+    sleeper = WeightSleeper(discover_modules(denoiser, MODULES, "dit"), DEVICE)
+    sleeper.sleep(1)
+    denoiser.forget_cuda_graphs()  # what the worker does after a sleep
+    assert len(denoiser.graphed.cache) == 0
+    sleeper.wake()  # the weights come back at new addresses
+    assert torch.equal(graphed(denoiser, *args), before)
+
+
+def test_sizes_asked_for_are_captured_at_load(tiny_model: Path) -> None:
+    options = DenoiserOptions(cuda_graphs=True, capture_sizes=((64, 64),), max_batch=2)
+    denoiser = QwenImageFamily().load_denoiser(tiny_model, DEVICE, torch.float32, options)
+    assert len(denoiser.graphed.cache) == 4  # batches 1 and 2, prompts of up to 32 and 64 tokens
+    graphed(denoiser, *forward_inputs(denoiser, 2, 0))
+    assert len(denoiser.graphed.cache) == 4  # served by a graph captured ahead
+
+
+def test_a_whole_denoise_with_graphs_matches_eager(tiny_model: Path, denoiser) -> None:
+    family = QwenImageFamily()
+    encoder = family.load_encoder(tiny_model, DEVICE, torch.float32)
+    plain = family.load_denoiser(tiny_model, DEVICE, torch.float32)
+    requests = [
+        GenerationRequest(prompt=p, width=64, height=64, num_inference_steps=6, seed=i, true_cfg_scale=1.0)
+        for i, p in enumerate(["a cat", "a red cat sitting on a blue mat"])
+    ]
+    embeds = encoder.encode(requests)
+
+    def run(runner) -> list[StageState]:
+        states = [runner.prepare(r, e) for r, e in zip(requests, embeds, strict=True)]
+        while not runner.is_done(states[0]):
+            runner.step(states)
+        return [runner.finish(s) for s in states]
+
+    for got, expected in zip(run(denoiser), run(plain), strict=True):
+        torch.testing.assert_close(got.tensors["latents"], expected.tensors["latents"], atol=ATOL, rtol=0)
+    assert len(denoiser.graphed.cache) >= 1
+
+
+def test_compiled_blocks_replayed_as_graphs_match_eager(tiny_model: Path) -> None:
+    """The GPU default (--compile auto, --cuda-graphs auto): compiled blocks inside a graph."""
+    options = DenoiserOptions(cuda_graphs=True, compile=True)
+    compiled = QwenImageFamily().load_denoiser(tiny_model, DEVICE, torch.float32, options)
+    for rows in (1, 3):
+        args = forward_inputs(compiled, rows, rows)
+        torch.testing.assert_close(graphed(compiled, *args), eager(compiled, *args), atol=1e-4, rtol=0)
+    assert len(compiled.graphed.cache) == 2

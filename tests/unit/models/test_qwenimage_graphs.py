@@ -1,0 +1,122 @@
+"""What the CUDA-graph path of the Qwen-Image DiT changes about a forward, checked on the CPU
+(tests/gpu/test_cuda_graphs.py replays real graphs): the buckets, the padding, and the
+capture-safe swap of diffusers' text-mask helper.
+
+Padding tolerance: a padded forward differs from the plain one only in reduction order (a
+batch of another size, masked keys); on the tiny fp32 fixture that is ~1e-7 on outputs of
+magnitude ~1. Without the mask the padded prompt tokens would move the output by ~1e-2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.models.transformers import transformer_qwenimage
+
+from omni_common.models.base import DenoiserOptions
+from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.denoise import transformer_forward
+from omni_common.models.qwenimage.graphs import (
+    BATCH_BUCKETS,
+    TEXT_BUCKETS,
+    bucket,
+    capturable_text_mask,
+    padded_inputs,
+)
+from omni_common.runtime.config import parse_sizes
+
+from .conftest import CPU
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def denoiser(tiny_model: Path):
+    return QwenImageFamily().load_denoiser(tiny_model, CPU, torch.float32)
+
+
+def inputs(denoiser, rows: int, lengths: list[int], seed: int = 0) -> tuple[dict[str, torch.Tensor], list]:
+    """Random latents/timesteps and prompts of `lengths` tokens, right-padded with a mask as
+    the batched step builds them."""
+    config = denoiser.transformer.config
+    generator = torch.Generator().manual_seed(seed)
+    img_shape = denoiser.img_shape(64, 64)
+    tokens = img_shape[1] * img_shape[2]
+    longest = max(lengths)
+    embeds = torch.randn((rows, longest, config["joint_attention_dim"]), generator=generator)
+    mask = torch.zeros((rows, longest), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        embeds[row, length:] = 0
+        mask[row, :length] = 1
+    return {
+        "latents": torch.randn((rows, tokens, config["in_channels"]), generator=generator),
+        "timestep": torch.tensor([900.0, 500.0, 100.0][:rows]),
+        "embeds": embeds,
+        "mask": mask,
+    }, [[img_shape]] * rows
+
+
+def test_bucket_is_the_smallest_that_holds_the_value() -> None:
+    assert bucket(1, BATCH_BUCKETS) == 1
+    assert bucket(3, BATCH_BUCKETS) == 4
+    assert bucket(8, BATCH_BUCKETS) == 8
+    assert bucket(33, TEXT_BUCKETS) == 64
+    assert bucket(TEXT_BUCKETS[-1] + 1, TEXT_BUCKETS) is None
+
+
+def test_padding_to_buckets_leaves_each_request_its_own_output(denoiser) -> None:
+    plain, img_shapes = inputs(denoiser, 3, [5, 11, 7])
+    expected = transformer_forward(denoiser.transformer, plain, img_shapes)
+    padded = padded_inputs(plain["latents"], plain["timestep"], plain["embeds"], plain["mask"], 4, 32)
+    assert padded["embeds"].shape[:2] == (4, 32) and padded["mask"].shape == (4, 32)
+    assert padded["mask"][:3, 11:].sum() == 0  # the padded prompt tokens are masked out
+    got = transformer_forward(denoiser.transformer, padded, [img_shapes[0]] * 4)[:3]
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_an_unmasked_prompt_gets_a_mask_that_hides_only_the_padding(denoiser) -> None:
+    plain, img_shapes = inputs(denoiser, 1, [9])
+    del plain["mask"]
+    expected = transformer_forward(denoiser.transformer, plain, img_shapes)
+    padded = padded_inputs(plain["latents"], plain["timestep"], plain["embeds"], None, 1, 32)
+    assert padded["mask"].tolist() == [[1] * 9 + [0] * 23]
+    got = transformer_forward(denoiser.transformer, padded, img_shapes)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+def test_without_the_mask_padding_would_change_the_output(denoiser) -> None:
+    """The check above can fail: dropping the mask moves the output far beyond ATOL."""
+    plain, img_shapes = inputs(denoiser, 1, [9])
+    del plain["mask"]
+    expected = transformer_forward(denoiser.transformer, plain, img_shapes)
+    padded = padded_inputs(plain["latents"], plain["timestep"], plain["embeds"], None, 1, 32)
+    del padded["mask"]
+    got = transformer_forward(denoiser.transformer, padded, img_shapes)
+    assert (got - expected).abs().max() > 100 * ATOL
+
+
+def test_the_capture_safe_mask_helper_leaves_the_forward_bitwise_unchanged(denoiser) -> None:
+    plain, img_shapes = inputs(denoiser, 3, [5, 11, 7])
+    expected = transformer_forward(denoiser.transformer, plain, img_shapes)
+    original = transformer_qwenimage.compute_text_seq_len_from_mask
+    with capturable_text_mask():
+        assert transformer_qwenimage.compute_text_seq_len_from_mask is not original
+        got = transformer_forward(denoiser.transformer, plain, img_shapes)
+    assert transformer_qwenimage.compute_text_seq_len_from_mask is original
+    assert torch.equal(got, expected)
+
+
+def test_cuda_graphs_on_the_cpu_are_refused_with_a_reason(tiny_model: Path) -> None:
+    from omni_common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="CUDA graphs need a CUDA device"):
+        QwenImageFamily().load_denoiser(tiny_model, CPU, torch.float32, DenoiserOptions(cuda_graphs=True))
+
+
+def test_capture_sizes_parse_as_width_by_height() -> None:
+    assert parse_sizes("512x512, 1024x768") == ((512, 512), (1024, 768))
+    assert parse_sizes("") == ()
+    with pytest.raises(SystemExit, match="WIDTHxHEIGHT"):
+        parse_sizes("512")
