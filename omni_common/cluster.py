@@ -201,10 +201,24 @@ class LocalCluster:
                 if any(all(m.replicas.get(s, 0) >= n for s, n in expected.items()) for m in models):
                     return
                 if time.monotonic() > deadline:
+                    routed = {m.name: dict(m.replicas) for m in models}
                     raise Unavailable(
-                        f"the coordinator does not route to every replica after {timeout_s:g} s"
+                        f"the coordinator does not route to every replica after {timeout_s:g} s: "
+                        f"expected {expected}, routes to {routed}{self._log_tails()}"
                     )
                 time.sleep(0.1)
+
+    def _log_tails(self, lines: int = 15) -> str:
+        """The last lines of every process's log, for an error that says why a start failed."""
+        if self.log_dir is None:
+            return ""
+        tails = []
+        for name in self.processes:
+            path = self.log_dir / f"{name}.log"
+            if path.is_file():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                tails.append(f"--- {name} ---\n" + "\n".join(tail))
+        return "\n" + "\n".join(tails)
 
     def add(self, proc: LocalProcess, timeout_s: float = 180.0) -> None:
         """Start one more process (a new replica) and wait until it is healthy."""
@@ -239,9 +253,11 @@ class LocalCluster:
         popen = self.processes[proc.name]
         while not check_health(proc.health_address, timeout_s=1.0):
             if popen.poll() is not None:
-                raise Unavailable(f"{proc.name} exited with status {popen.returncode} while starting")
+                raise Unavailable(
+                    f"{proc.name} exited with status {popen.returncode} while starting{self._log_tails()}"
+                )
             if time.monotonic() > deadline:
-                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s")
+                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{self._log_tails()}")
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 40.0) -> None:

@@ -37,6 +37,11 @@ async def keep_registered(coordinator: str, info: Callable[[], stage_pb2.StageIn
             if registered:
                 log.warning("lost the coordinator at %s (%s); retrying", coordinator, err.code().name)
             registered = False
+        except Exception:
+            # A heartbeat that dies silently makes the replica vanish from the coordinator
+            # for good; whatever went wrong, say so and keep beating.
+            log.exception("heartbeat to %s failed; retrying", coordinator)
+            registered = False
         await asyncio.sleep(period)
 
 
