@@ -101,7 +101,11 @@ class CudaGraphCache:
                     # Lazy initialisation, caches, compilation; the last run is the eager time.
                     eager_s = [self._timed(lambda: fn(static)) for _ in range(self.warmup_runs)][-1]
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
-                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+                # Thread-local: the stage's event loop thread may open or export tensors
+                # (CUDA IPC, copies) meanwhile; only this thread must keep from syncing.
+                with torch.cuda.graph(
+                    graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
+                ):
                     output = fn(static)
             except RuntimeError as err:
                 # Something in `fn` is not capturable (a host sync, a host-to-device copy):

@@ -120,3 +120,36 @@ def test_compiled_blocks_replayed_as_graphs_match_eager(tiny_model: Path) -> Non
         args = forward_inputs(compiled, rows, rows)
         torch.testing.assert_close(graphed(compiled, *args), eager(compiled, *args), atol=1e-4, rtol=0)
     assert len(compiled.graphed.cache) == 2
+
+
+def test_a_capture_goes_through_while_another_thread_moves_tensors(denoiser) -> None:
+    """The stage's event loop thread opens and exports tensors while the compute thread may
+    be capturing; the capture must neither fail nor break that thread's work."""
+    import threading
+
+    stop, errors, moved = threading.Event(), [], [0]
+
+    def transport_work() -> None:
+        stream = torch.cuda.Stream(DEVICE)
+        try:
+            while not stop.is_set():
+                with torch.cuda.stream(stream):
+                    tensor = torch.randn(1 << 16, device=DEVICE).cpu()
+                event = torch.cuda.Event()
+                event.record(stream)
+                event.synchronize()
+                moved[0] += int(tensor.numel() > 0)
+        except Exception as err:
+            errors.append(err)
+
+    worker = threading.Thread(target=transport_work)
+    worker.start()
+    try:
+        args = forward_inputs(denoiser, 2, 0)
+        got = graphed(denoiser, *args)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert not errors, errors
+    assert moved[0] > 0 and len(denoiser.graphed.cache) == 1
+    torch.testing.assert_close(got, eager(denoiser, *args), atol=ATOL, rtol=0)
