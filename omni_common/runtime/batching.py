@@ -1,7 +1,8 @@
 """Micro-batching for stages whose work is one forward per batch (encoder, VAE).
 
 Concurrent submissions are queued; whenever the runner is free, everything queued (up to
-`max_batch`, after waiting `window_s` for company) runs as one batch. With window 0 a
+`max_batch` items and `max_cost` of their `cost`, after waiting `window_s` for company) runs
+as one batch. With window 0 a
 lone request pays no added latency, and requests that arrive while a batch runs form the
 next one. The queue is bounded: a full queue is RESOURCE_EXHAUSTED with a retry hint.
 One failing item never fails its batch: the batch is retried item by item.
@@ -41,12 +42,16 @@ class MicroBatcher(Generic[I, O]):
         window_s: float = 0.0,
         max_batch: int = 8,
         max_queue: int = 64,
+        cost: Callable[[I], int] = lambda item: 1,
+        max_cost: int = 0,
     ) -> None:
         self.run_batch = run_batch
         self.name = name
         self.window_s = window_s
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.cost = cost
+        self.max_cost = max_cost  # 0: no limit; a batch always takes at least one item
         self.queue: deque[_Pending[I, O]] = deque()
         self.batch_ms = 0.0  # duration of the last batch, for retry hints
         self._wake = asyncio.Event()
@@ -91,7 +96,10 @@ class MicroBatcher(Generic[I, O]):
     def _take(self) -> list[_Pending[I, O]]:
         batch: list[_Pending[I, O]] = []
         now = time.monotonic()
+        cost = 0
         while self.queue and len(batch) < self.max_batch:
+            if batch and self.max_cost and cost + self.cost(self.queue[0].item) > self.max_cost:
+                break
             pending = self.queue.popleft()
             if pending.future.done():  # cancelled while queued
                 continue
@@ -101,6 +109,7 @@ class MicroBatcher(Generic[I, O]):
                 )
                 continue
             batch.append(pending)
+            cost += self.cost(pending.item)
         return batch
 
     async def _run(self, batch: list[_Pending[I, O]]) -> None:

@@ -35,6 +35,8 @@ class DecodeWorker(Worker):
             window_s=config.batch_window_ms / 1e3,
             max_batch=config.max_batch,
             max_queue=config.max_queue,
+            cost=_pixels,
+            max_cost=config.max_batch_pixels,
         )
 
     def validate(self, request: GenerationRequest) -> None:
@@ -69,6 +71,11 @@ class DecodeWorker(Worker):
     def close(self) -> None:
         self.batcher.close()
         super().close()
+
+
+def _pixels(item: tuple[StageState, frozenset[str]]) -> int:
+    meta = item[0].meta
+    return int(meta.get("height", "0")) * int(meta.get("width", "0"))
 
 
 def _outputs(image: torch.Tensor, wanted: frozenset[str]) -> StageState:

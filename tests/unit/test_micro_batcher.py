@@ -66,6 +66,18 @@ def test_max_batch_splits_batches() -> None:
     assert [len(b) for b in asyncio.run(main()).batches] == [2, 2, 1]
 
 
+def test_max_cost_splits_batches_but_never_leaves_an_item_out() -> None:
+    async def main() -> Doubler:
+        fn = Doubler()
+        batcher = MicroBatcher(fn, name="t", window_s=0.02, max_batch=8, cost=lambda i: i, max_cost=5)
+        await asyncio.gather(*(batcher.submit(i) for i in (1, 2, 3, 9, 1)))
+        batcher.close()
+        return fn
+
+    # 1+2 fit, 3 would pass 5; 3 alone (9 would pass); 9 over the budget still runs, alone
+    assert asyncio.run(main()).batches == [[1, 2], [3], [9], [1]]
+
+
 def test_a_bad_item_fails_alone_with_its_own_error() -> None:
     async def main() -> list[object]:
         batcher = MicroBatcher(Doubler(), name="t", window_s=0.02)

@@ -1,0 +1,30 @@
+"""The DiT worker's execution flags: what `auto` means where, and `on` where it cannot be."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_common.runtime.config import StageConfig
+from services.dit_denoise.worker import DenoiseWorker
+
+
+def config(model: Path, **flags: str) -> StageConfig:
+    return StageConfig(stage="dit-denoise", model_dir=model, device="cpu", **flags)  # type: ignore[arg-type]
+
+
+def test_auto_leaves_graphs_and_compilation_off_on_the_cpu(tiny_model: Path) -> None:
+    worker = DenoiseWorker(config(tiny_model))
+    try:
+        options = worker.denoiser_options(worker.config)
+        assert not options.cuda_graphs and not options.compile
+        assert worker.runner.graphed is None  # type: ignore[attr-defined]
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("flag", ["cuda_graphs", "compile"])
+def test_asking_for_them_on_the_cpu_is_refused_at_start(tiny_model: Path, flag: str) -> None:
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        DenoiseWorker(config(tiny_model, **{flag: "on"}))
