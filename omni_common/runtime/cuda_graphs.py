@@ -102,7 +102,9 @@ class CudaGraphCache:
                     eager_s = [self._timed(lambda: fn(static)) for _ in range(self.warmup_runs)][-1]
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
                 # Thread-local: the stage's event loop thread may open or export tensors
-                # (CUDA IPC, copies) meanwhile; only this thread must keep from syncing.
+                # (CUDA IPC, copies) meanwhile; only this thread must keep from syncing. No
+                # other thread may draw from the default CUDA generator during a capture
+                # (PyTorch refuses: the graph owns its offset); the stages draw noise on the CPU.
                 with torch.cuda.graph(
                     graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
                 ):
