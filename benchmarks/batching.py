@@ -124,6 +124,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each diffusers side")
     parser.add_argument("--stage-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra stage env")
     parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument(
+        "--replicas", nargs="*", default=[], metavar="STAGE=N", help="stage replicas, e.g. vae-decode=2"
+    )
     args = parser.parse_args()
     if args.rounds < 3:
         parser.error("--rounds must be at least 3: the first round fills the pipeline")
@@ -133,7 +136,8 @@ def main() -> None:
         pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
         extra = dict(item.split("=", 1) for item in args.stage_env)
-        plan = loopback_plan(model, extra_env={"OMNISTAGE_MAX_BATCH": "16", **extra})
+        replicas = {stage: int(n) for stage, n in (item.split("=", 1) for item in args.replicas)}
+        plan = loopback_plan(model, extra_env={"OMNISTAGE_MAX_BATCH": "16", **extra}, replicas=replicas)
         with LocalCluster(plan, log_dir=Path(tmp) / "logs") as cluster:
             address = cluster.coordinator
             for size in args.sizes:

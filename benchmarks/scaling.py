@@ -44,25 +44,34 @@ async def throughput(address: str, size: int, steps: int, concurrency: int, roun
         return concurrency * rounds / (time.perf_counter() - started)
 
 
-async def failover_gap(cluster: LocalCluster, size: int, steps: int) -> float:
+async def failover_gap(cluster: LocalCluster, size: int, steps: int) -> tuple[float, int, int]:
     """Seconds between the SIGKILL of the DiT replica running a request and the request's
-    next denoise step (now on the other replica)."""
+    first denoise step on the other replica; the last step seen before the kill and the
+    first after it (resumed from the latest checkpoint, not from the start)."""
     async with AsyncClient(cluster.coordinator) as client:
         killed_at = 0.0
-        gap = 0.0
+        victim = ""
+        moved = False
+        last_before = first_after = 0
         async for event in client.events("failover", width=size, height=size, steps=steps, seed=1):
-            if (
-                event.HasField("stage_started")
-                and event.stage_started.stage == "dit-denoise"
-                and not killed_at
-            ):
-                victim = {p.health_address: p.name for p in cluster.plan}[event.stage_started.replica]
-                await asyncio.sleep(0.3)
-                killed_at = time.perf_counter()
-                cluster.processes[victim].send_signal(signal.SIGKILL)
-            elif event.HasField("step") and killed_at and not gap and time.perf_counter() - killed_at > 0.01:
-                gap = time.perf_counter() - killed_at
-        return gap
+            if event.HasField("stage_started") and event.stage_started.stage == "dit-denoise":
+                if not killed_at:
+                    victim = event.stage_started.replica
+                    await asyncio.sleep(0.3)
+                    killed_at = time.perf_counter()
+                    name = {p.health_address: p.name for p in cluster.plan}[victim]
+                    cluster.processes[name].send_signal(signal.SIGKILL)
+                elif event.stage_started.replica != victim:
+                    moved = True
+            elif event.HasField("step"):
+                if not moved:
+                    last_before = event.step.step
+                elif not first_after:
+                    first_after = event.step.step
+                    gap = time.perf_counter() - killed_at
+        if not first_after:
+            raise RuntimeError("the request never resumed on another replica")
+        return gap, last_before, first_after
 
 
 def main() -> None:
@@ -92,8 +101,13 @@ def main() -> None:
                 )
         plan = loopback_plan(model, replicas={"dit-denoise": 2})
         with LocalCluster(plan, log_dir=Path(tmp) / "logs-failover") as cluster:
-            gap = asyncio.run(failover_gap(cluster, args.size, 200))
-            emit(failover="SIGKILL of the DiT replica mid-request", seconds_to_next_step=round(gap, 3))
+            gap, before, after = asyncio.run(failover_gap(cluster, args.size, 200))
+            emit(
+                failover="SIGKILL of the DiT replica mid-request",
+                seconds_to_next_step=round(gap, 3),
+                last_step_before=before,
+                first_step_after=after,
+            )
 
 
 if __name__ == "__main__":

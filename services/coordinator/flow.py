@@ -213,7 +213,9 @@ class RequestFlow:
             outputs=outputs or [],
         )
         if replica.stage == "dit-denoise":
-            request.checkpoint_every = self.checkpoint_every
+            # Checkpoints serve failover: without another replica to resume on they only cost.
+            if len(self.pool.serving("dit-denoise", req.params.model)) > 1:
+                request.checkpoint_every = self.checkpoint_every
             if req.checkpoint is not None:
                 request.resume.CopyFrom(req.checkpoint[1])
         timeout = req.timeout(self.stage_timeout_s)

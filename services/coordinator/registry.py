@@ -157,15 +157,16 @@ class ReplicaPool:
             raise InvalidArgument(f"several models are served ({', '.join(served)}); name one")
         raise NotFound(f"unknown model {name[:100]!r}; served: {', '.join(served)}")
 
+    def serving(self, stage: str, model: str) -> list[Replica]:
+        """The healthy replicas of `stage` that serve `model`."""
+        replicas = self.replicas.get(stage, [])
+        return [r for r in replicas if r.healthy and r.info is not None and r.info.model == model]
+
     def pick(
         self, stage: str, model: str, *, near_host: str = "", avoid: frozenset[str] = frozenset()
     ) -> Replica:
         """The least-loaded healthy replica of `stage` serving `model`, not in `avoid`."""
-        candidates = [
-            r
-            for r in self.replicas.get(stage, [])
-            if r.healthy and r.info is not None and r.info.model == model and r.address not in avoid
-        ]
+        candidates = [r for r in self.serving(stage, model) if r.address not in avoid]
         if not candidates:
             raise Unavailable(f"no healthy {stage} replica serves {model!r}; retry later")
         return min(candidates, key=lambda r: r.score(near_host))

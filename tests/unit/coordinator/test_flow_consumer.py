@@ -68,3 +68,34 @@ def test_each_stage_hears_its_consumers_host_namespace_and_gpu(tmp_path: Path) -
         42,
     )
     assert (decode.consumer_host_id, decode.consumer_gpu_uuid) == (transport.host_id, "")
+
+
+def run_with_dit_replicas(tmp_path: Path, count: int) -> list[stage_pb2.StageRequest]:
+    """One request through a pool with `count` DiT replicas; the DiT calls it made."""
+    pool = ReplicaPool()
+    dits = []
+    for stage in STAGES:
+        for i in range(count if stage == "dit-denoise" else 1):
+            stub = RecordingStub()
+            info = stage_pb2.StageInfo(stage=stage, model="m", host_id="h1", address=f"{stage}-{i}:1")
+            pool.replicas.setdefault(stage, []).append(Replica(stage, info.address, stub, info=info))  # type: ignore[arg-type]
+            if stage == "dit-denoise":
+                dits.append(stub)
+    transport = TensorTransport(shm_dir=tmp_path)
+
+    async def emit(event: cpb.GenerateEvent) -> None:
+        pass
+
+    try:
+        flow = RequestFlow(pool, transport, stage_timeout_s=10, checkpoint_every=5)
+        asyncio.run(flow.run("r1", stage_pb2.GenerationParams(model="m"), cpb.GenerateRequest(), None, emit))
+    finally:
+        transport.close()
+    return [request for stub in dits for request in stub.requests]
+
+
+def test_the_dit_checkpoints_only_when_another_replica_could_resume(tmp_path: Path) -> None:
+    [alone] = run_with_dit_replicas(tmp_path, 1)
+    assert alone.checkpoint_every == 0  # nothing to fail over to: checkpoints would only cost
+    [with_peer] = run_with_dit_replicas(tmp_path, 2)
+    assert with_peer.checkpoint_every == 5
