@@ -1,8 +1,8 @@
 """CUDA graphs: a forward captured once per static shape, then replayed.
 
 At small image sizes a DiT forward is launch-bound: Python launches hundreds of small
-kernels per block, and the GPU waits for them (Qwen-Image at 512x512 on an H100: 113 ms a
-forward eager, 56 ms replayed as a graph). A replay launches the whole forward at once.
+kernels per block, and the GPU waits for them (Qwen-Image at 512x512 on an H100: 97-125 ms
+a forward eager, 56 ms replayed as a graph). A replay launches the whole forward at once.
 
 A graph replays fixed kernels on fixed memory, so the caller pads its inputs to a few
 buckets of shapes and names each bucket by a key; this cache captures the function the
@@ -58,9 +58,6 @@ class CudaGraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._graphs
-
     def clear(self) -> None:
         """Drop every graph and give their memory back (the weights are about to move)."""
         self._graphs.clear()
@@ -84,10 +81,6 @@ class CudaGraphCache:
             captured.inputs[name].copy_(value)
         captured.graph.replay()
         return captured.output.clone()
-
-    def capture(self, key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]) -> bool:
-        """Capture ahead of the first request (at start-up); False when it runs eagerly."""
-        return key in self._graphs or self._capture(key, inputs, fn) is not None
 
     def _capture(
         self, key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]

@@ -19,7 +19,7 @@ class DenoiseWorker(Worker):
     def __init__(self, config: StageConfig) -> None:
         super().__init__(config)
         self.runner = self.family.load_denoiser(
-            config.model_dir, self.device, self.dtype, self.denoiser_options(config)
+            config.model_dir, self.device, self.dtype, self.denoiser_options()
         )
         self.manage_memory(
             self.runner,
@@ -34,11 +34,12 @@ class DenoiseWorker(Worker):
             max_queue=config.max_queue,
         )
 
-    def denoiser_options(self, config: StageConfig) -> DenoiserOptions:
+    def denoiser_options(self) -> DenoiserOptions:
         """The execution flags. `auto` turns CUDA graphs and torch.compile on for a CUDA device
         (measured on Qwen-Image at 512x512: a forward 1.7x faster replayed, 1.3x compiled;
         docs/benchmarks.md), except under layerwise offload, whose per-block copies neither a
         graph nor a compiled block may bake in."""
+        config = self.config
         return DenoiserOptions(
             cuda_graphs=self._flag("--cuda-graphs", config.cuda_graphs),
             capture_sizes=config.capture_sizes,

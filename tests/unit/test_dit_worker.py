@@ -17,7 +17,7 @@ def config(model: Path, **flags: str) -> StageConfig:
 def test_auto_leaves_graphs_and_compilation_off_on_the_cpu(tiny_model: Path) -> None:
     worker = DenoiseWorker(config(tiny_model))
     try:
-        options = worker.denoiser_options(worker.config)
+        options = worker.denoiser_options()
         assert not options.cuda_graphs and not options.compile
         assert worker.runner.graphed is None  # type: ignore[attr-defined]
     finally:

@@ -129,17 +129,16 @@ class GraphedTransformer:
             output = self.forward(self.transformer, inputs, shapes)
         return output[:rows]
 
-    def capture(self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype) -> bool:
-        """Capture the bucket of `rows` requests at one image shape (frames, patch rows, patch
-        columns) and `text` prompt tokens ahead of the first request."""
+    def capture(self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype) -> None:
+        """Capture (and compile) the bucket of `rows` requests at one image shape (frames,
+        patch rows, patch columns) and `text` prompt tokens ahead of the first request."""
         frames, height, width = img_shape
         channels = self.transformer.config["in_channels"]
         dim = self.transformer.config["joint_attention_dim"]
-        out = self(
+        self(
             torch.zeros((rows, frames * height * width, channels), dtype=dtype, device=self.device),
             torch.full((rows,), 1000.0, dtype=dtype, device=self.device),
             torch.zeros((rows, text, dim), dtype=dtype, device=self.device),
             None,
             [[img_shape]] * rows,
         )
-        return out is not None
