@@ -29,8 +29,8 @@ import torch
 from omni_common.models.base import GenerationRequest
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.fixture import build_tiny_fixture
-from services.ar_encoder.cache import EmbeddingCache
-from services.ar_encoder.runner import PromptEncoder, TextBackend, TorchBackend, VllmBackend
+from omni_common.models.qwenimage.prompt_cache import EmbeddingCache
+from omni_common.models.qwenimage.prompt_encoder import PromptEncoder, TextBackend, TorchBackend, VllmBackend
 
 PROMPTS = [
     f"a small {c} {t} on a {s} table"
@@ -46,7 +46,7 @@ def emit(**row: object) -> None:
 
 def make_backend(name: str, model: Path) -> TextBackend:
     if name == "vllm":
-        from services.ar_encoder.vllm_backend import VllmTextEncoder
+        from omni_common.models.qwenimage.vllm_encoder import VllmTextEncoder
 
         return VllmBackend(VllmTextEncoder(model, torch.float32), max_queue=1024)
     encoder = QwenImageEncoder.load(model, torch.device("cpu"), torch.float32)

@@ -29,7 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from omni_common.models.base import GenerationRequest, StageState
-from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.decode import QwenImageDecoder
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.runtime.memory import WeightSleeper, discover_modules
 from omni_common.runtime.offload import LayerwiseOffload
@@ -63,11 +65,10 @@ class Stages:
     """The three runners on one GPU, with a sleeper each (the stage workers' objects)."""
 
     def __init__(self, model: Path, device: torch.device) -> None:
-        family = QwenImageFamily()
         self.device = device
-        self.encoder = family.load_encoder(model, device, torch.bfloat16)
-        self.denoiser = family.load_denoiser(model, device, torch.bfloat16)
-        self.decoder = family.load_decoder(model, device, torch.bfloat16)
+        self.encoder = QwenImageEncoder.load(model, device, torch.bfloat16)
+        self.denoiser = QwenImageDenoiser.load(model, device, torch.bfloat16)
+        self.decoder = QwenImageDecoder.load(model, device, torch.bfloat16)
         runners = {"encoder": self.encoder, "dit": self.denoiser, "vae": self.decoder}
         self.modules = {role: discover_modules(r, MODULES, role) for role, r in runners.items()}
         self.sleepers = {role: WeightSleeper(m, device) for role, m in self.modules.items()}

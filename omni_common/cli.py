@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_NAME = "qwen-image-tiny"
 
@@ -79,17 +80,17 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
 
     from omni_common.client import Client, ResultBuilder
     from omni_common.errors import OmniError
 
+    options = dict(_parse_option(item) for item in args.option)
     with Client(args.address, timeout=args.timeout) as client:
         try:
             if args.wait_ready:
-                client.wait_ready(args.wait_ready)
+                client.wait_ready(args.wait_ready, model=args.model)
             builder = ResultBuilder()
-            bar = tqdm(total=args.steps, desc="denoising", unit="step", disable=args.quiet)
+            bars: dict[str, Any] = {}  # one tqdm bar per plan step that reports progress
             for event in client.events(
                 args.prompt,
                 negative_prompt=args.negative_prompt,
@@ -100,12 +101,21 @@ def _generate(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 model=args.model,
                 image_format="png",
+                images=[Path(path) for path in args.image],
+                options=options,
             ):
                 builder.add(event)
                 if event.HasField("step"):
-                    bar.update(event.step.step - bar.n)
-            bar.close()
+                    _advance(bars, "denoising", "step", event.step.step, event.step.total, args.quiet)
+                elif event.HasField("tokens"):
+                    tokens = event.tokens
+                    _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, args.quiet)
+            for bar in bars.values():
+                bar.close()
             result = builder.build()
+        except OSError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         except OmniError as err:
             print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
             return 1
@@ -120,6 +130,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _advance(bars: dict[str, Any], name: str, unit: str, done: int, total: int, quiet: bool) -> None:
+    """Move the progress bar `name` (made on first use) to `done` of `total`."""
+    from tqdm import tqdm
+
+    bar = bars.get(name)
+    if bar is None:
+        bar = bars[name] = tqdm(total=total, desc=name, unit=unit, disable=quiet)
+    bar.update(done - bar.n)
+
+
+def _parse_option(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--option takes NAME=VALUE, not {item!r}")
+    return name, value
+
+
 def _health(args: argparse.Namespace) -> int:
     from omni_common.health import check_health
 
@@ -127,6 +154,14 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
+    if args.family == "glm-image":
+        from omni_common.models.glm_image.fixture import build_tiny_fixture as build_glm_image
+
+        if args.random_weights:
+            raise SystemExit("--random-weights is for qwenimage only (yet)")
+        path = build_glm_image(Path(args.out), seed=args.seed)
+        print(f"wrote {path}")
+        return 0
     from omni_common.models.qwenimage.fixture import build_tiny_fixture
     from omni_common.models.qwenimage.random_model import write_random_model
 
@@ -135,6 +170,32 @@ def _fixture(args: argparse.Namespace) -> int:
     else:
         path = build_tiny_fixture(Path(args.out), head_dim=args.head_dim, seed=args.seed)
     print(f"wrote {path}")
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from omni_common.client import Client
+    from omni_common.errors import OmniError
+
+    with Client(args.address, timeout=10) as client:
+        try:
+            models = client.list_models()
+        except OmniError as err:
+            print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+            return 1
+    for model in models:
+        state = "ready" if model.ready else "not ready"
+        print(f"{model.name} ({model.family}, {state}): takes {', '.join(model.inputs)}", end="")
+        print(f" (up to {model.max_images} images)" if model.max_images else "", end="")
+        print(f"; gives {', '.join(model.outputs)}; sizes multiples of {model.size_multiple}")
+        print("  replicas: " + ", ".join(f"{role} {n}" for role, n in sorted(model.roles.items())))
+        defaults = ", ".join(f"{name} {value:g}" for name, value in sorted(model.defaults.items()))
+        print(f"  defaults: {defaults}")
+        for option in model.options:
+            print(
+                f"  --option {option.name}=<{option.type} in [{option.minimum:g}, {option.maximum:g}], "
+                f"default {option.default_value}>: {option.description}"
+            )
     return 0
 
 
@@ -182,7 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--width", type=int, default=256)
     gen.add_argument("--height", type=int, default=256)
     gen.add_argument("--steps", type=int, default=20)
-    gen.add_argument("--guidance", type=float, default=4.0, help="true CFG scale")
+    gen.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's own)")
+    gen.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="input image (repeatable), for models that take them: GLM-Image edits",
+    )
+    gen.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a model family option (repeatable); `omnistage models` lists them",
+    )
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--model", default="")
     gen.add_argument("--timeout", type=float, default=600.0)
@@ -195,8 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=2.0)
     health.set_defaults(func=_health)
 
-    fixture = sub.add_parser("fixture", help="build a random Qwen-Image model offline")
+    models = sub.add_parser("models", help="list the models a coordinator serves, with their options")
+    models.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    models.set_defaults(func=_models)
+
+    fixture = sub.add_parser("fixture", help="build a random tiny model offline (Qwen-Image or GLM-Image)")
     fixture.add_argument("out")
+    fixture.add_argument("--family", choices=("qwenimage", "glm-image"), default="qwenimage")
     fixture.add_argument("--head-dim", type=int, default=16)
     fixture.add_argument(
         "--random-weights",

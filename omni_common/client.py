@@ -6,6 +6,11 @@
         image = client.generate("a red fox in snow", width=512, height=512, steps=20, seed=7)
         image.save("fox.png")
 
+Models that take input images (GLM-Image edits) get them as `images=[...]` (PIL images, file
+paths or encoded bytes); family options as `options={"name": value}` (ListModels says which):
+
+        edited = client.generate("make the sky red", images=["photo.png"], model="glm-image")
+
 `AsyncClient` has the same methods as coroutines / async iterators. Failures raise the
 typed errors of omni_common.errors (InvalidArgument, NotFound, DeadlineExceeded, ...).
 """
@@ -13,8 +18,9 @@ typed errors of omni_common.errors (InvalidArgument, NotFound, DeadlineExceeded,
 from __future__ import annotations
 
 import io
+import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,7 +33,20 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-STAGES = frozenset({"ar-encoder", "dit-denoise", "vae-decode"})
+ImageLike = Image.Image | bytes | str | os.PathLike[str]
+
+
+def image_bytes(image: ImageLike) -> bytes:
+    """An input image as encoded file bytes: a PIL image is sent as PNG (lossless), a path is
+    read, bytes are sent as they are (the server checks them)."""
+    if isinstance(image, Image.Image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+    if isinstance(image, bytes):
+        return image
+    with open(image, "rb") as file:
+        return file.read()
 
 
 def generate_request(
@@ -37,7 +56,7 @@ def generate_request(
     width: int = 1024,
     height: int = 1024,
     steps: int = 50,
-    guidance: float = 4.0,
+    guidance: float | None = None,
     seed: int = 0,
     model: str = "",
     max_sequence_length: int = 512,
@@ -46,9 +65,12 @@ def generate_request(
     progress_every: int = 1,
     preview_every: int = 0,
     image_format: str = "rgb8",
+    images: Sequence[ImageLike] = (),
+    options: Mapping[str, object] | None = None,
 ) -> cpb.GenerateRequest:
-    """The GenerateRequest for these arguments (guidance is diffusers' true_cfg_scale;
-    image_format "rgb8" sends raw pixels, "png" a PNG file)."""
+    """The GenerateRequest for these arguments (guidance is the model's guidance scale:
+    diffusers' true_cfg_scale for Qwen-Image, guidance_scale for GLM-Image; None takes the
+    model's default; image_format "rgb8" sends raw pixels, "png" a PNG file)."""
     formats = {"png": cpb.IMAGE_FORMAT_PNG, "rgb8": cpb.IMAGE_FORMAT_RGB8}
     if image_format not in formats:
         raise ValueError(f"image_format must be one of {sorted(formats)}, not {image_format!r}")
@@ -59,10 +81,12 @@ def generate_request(
         width=width,
         height=height,
         num_inference_steps=steps,
-        true_cfg_scale=guidance,
         seed=seed,
         max_sequence_length=max_sequence_length,
+        options={name: str(value) for name, value in (options or {}).items()},
     )
+    if guidance is not None:
+        params.true_cfg_scale = guidance
     return cpb.GenerateRequest(
         params=params,
         request_id=request_id,
@@ -70,6 +94,7 @@ def generate_request(
         progress_every=progress_every,
         preview_every=preview_every,
         image_format=formats[image_format],
+        inputs=[cpb.InputMedia(image=image_bytes(image)) for image in images],
     )
 
 
@@ -107,8 +132,10 @@ class ResultBuilder:
         if kind == "accepted":
             self.request_id = event.accepted.request_id
         elif kind == "stage_finished":
-            self.stage_ms[event.stage_finished.stage] = event.stage_finished.wall_ms
-            self.compute_ms[event.stage_finished.stage] = event.stage_finished.compute_ms
+            # Keyed by plan step ("encode", "prior", ...); a coordinator before plans sent stages.
+            finished = event.stage_finished
+            self.stage_ms[finished.step or finished.stage] = finished.wall_ms
+            self.compute_ms[finished.step or finished.stage] = finished.compute_ms
         elif kind == "raw_chunk":
             if event.raw_chunk.offset != len(self.raw):
                 raise OmniError("raw tensor chunks arrived out of order", grpc.StatusCode.DATA_LOSS)
@@ -163,26 +190,27 @@ class Client:
     def close(self) -> None:
         self._channel.close()
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the coordinator answers and routes some model through every stage."""
+    def wait_ready(self, timeout: float = 60.0, model: str = "") -> None:
+        """Block until the coordinator answers and can serve a request of `model` ("" = any)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if any(set(m.replicas) >= STAGES for m in self.list_models()):
+                if any(m.ready and model in ("", m.name) for m in self.list_models()):
                     return
             except OmniError:
                 pass
             if time.monotonic() > deadline:
+                what = f"model {model!r}" if model else "no model"
                 raise OmniError(
-                    f"no model ready at {self.address} after {timeout:g} s", grpc.StatusCode.UNAVAILABLE
+                    f"{what} not ready at {self.address} after {timeout:g} s", grpc.StatusCode.UNAVAILABLE
                 )
             time.sleep(0.2)
 
     def events(
-        self, prompt: str, *, timeout: float | None = None, **options: object
+        self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> Iterator[cpb.GenerateEvent]:
-        """Stream the GenerateEvents of one request (options as in `generate_request`)."""
-        request = generate_request(prompt, **options)  # type: ignore[arg-type]
+        """Stream the GenerateEvents of one request (kwargs as in `generate_request`)."""
+        request = generate_request(prompt, **kwargs)  # type: ignore[arg-type]
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             yield from call
@@ -191,9 +219,9 @@ class Client:
         finally:
             call.cancel()
 
-    def generate_result(self, prompt: str, **options: object) -> GenerationResult:
+    def generate_result(self, prompt: str, **kwargs: object) -> GenerationResult:
         builder = ResultBuilder()
-        for event in self.events(prompt, **options):  # type: ignore[arg-type]
+        for event in self.events(prompt, **kwargs):  # type: ignore[arg-type]
             builder.add(event)
         return builder.build()
 
@@ -204,11 +232,12 @@ class Client:
         width: int = 1024,
         height: int = 1024,
         steps: int = 50,
-        guidance: float = 4.0,
+        guidance: float | None = None,
         seed: int = 0,
-        **options: object,
+        **kwargs: object,
     ) -> Image.Image:
-        """Generate one image and return it as a PIL image."""
+        """Generate one image and return it as a PIL image (kwargs as in `generate_request`:
+        model, images, options, ...)."""
         return self.generate_result(
             prompt,
             negative_prompt=negative_prompt,
@@ -217,7 +246,7 @@ class Client:
             steps=steps,
             guidance=guidance,
             seed=seed,
-            **options,
+            **kwargs,
         ).image
 
     def cancel(self, request_id: str) -> bool:
@@ -252,9 +281,9 @@ class AsyncClient:
         await self._channel.close()
 
     async def events(
-        self, prompt: str, *, timeout: float | None = None, **options: object
+        self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> AsyncIterator[cpb.GenerateEvent]:
-        request = generate_request(prompt, **options)  # type: ignore[arg-type]
+        request = generate_request(prompt, **kwargs)  # type: ignore[arg-type]
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             async for event in call:
@@ -264,9 +293,9 @@ class AsyncClient:
         finally:
             call.cancel()
 
-    async def generate_result(self, prompt: str, **options: object) -> GenerationResult:
+    async def generate_result(self, prompt: str, **kwargs: object) -> GenerationResult:
         builder = ResultBuilder()
-        async for event in self.events(prompt, **options):  # type: ignore[arg-type]
+        async for event in self.events(prompt, **kwargs):  # type: ignore[arg-type]
             builder.add(event)
         return builder.build()
 
@@ -277,9 +306,9 @@ class AsyncClient:
         width: int = 1024,
         height: int = 1024,
         steps: int = 50,
-        guidance: float = 4.0,
+        guidance: float | None = None,
         seed: int = 0,
-        **options: object,
+        **kwargs: object,
     ) -> Image.Image:
         result = await self.generate_result(
             prompt,
@@ -289,7 +318,7 @@ class AsyncClient:
             steps=steps,
             guidance=guidance,
             seed=seed,
-            **options,
+            **kwargs,
         )
         return result.image
 

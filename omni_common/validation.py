@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
-from omni_common.models.base import GenerationRequest
+from omni_common.models.base import GenerationRequest, ImageInput, ModelCard, OptionSpec
 from omnistage.v1 import stage_pb2
 
 MAX_PROMPT_CHARS = 10_000
@@ -18,6 +19,8 @@ MAX_PIXELS = 4 * 1024 * 1024
 MAX_STEPS = 1000
 MAX_CFG = 100.0
 MAX_SEQUENCE_LENGTH = 1024
+MAX_OPTIONS = 32
+MAX_OPTION_CHARS = 64
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 DEFAULT_SIDE = 1024
@@ -32,25 +35,59 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def with_defaults(params: stage_pb2.GenerationParams) -> stage_pb2.GenerationParams:
-    """Fill unset optional fields with the documented defaults (a copy; the input is unchanged)."""
+DEFAULTS: dict[str, float] = {
+    "width": DEFAULT_SIDE,
+    "height": DEFAULT_SIDE,
+    "num_inference_steps": DEFAULT_STEPS,
+    "true_cfg_scale": DEFAULT_CFG,
+    "max_sequence_length": DEFAULT_SEQUENCE_LENGTH,
+}
+
+
+def defaults_for(card: ModelCard | None = None) -> dict[str, float]:
+    """The defaults of the optional fields for a model: omnistage's, then its family's."""
+    return {**DEFAULTS, **(card.defaults if card is not None else {})}
+
+
+def with_defaults(
+    params: stage_pb2.GenerationParams, defaults: Mapping[str, float] = DEFAULTS
+) -> stage_pb2.GenerationParams:
+    """Fill unset optional fields with `defaults` (a copy; the input is unchanged)."""
     out = stage_pb2.GenerationParams()
     out.CopyFrom(params)
-    defaults = {
-        "width": DEFAULT_SIDE,
-        "height": DEFAULT_SIDE,
-        "num_inference_steps": DEFAULT_STEPS,
-        "true_cfg_scale": DEFAULT_CFG,
-        "max_sequence_length": DEFAULT_SEQUENCE_LENGTH,
-    }
     for name, value in defaults.items():
         if not params.HasField(name):
-            setattr(out, name, value)
+            setattr(out, name, type(getattr(out, name))(value))
     return out
 
 
-def to_request(params: stage_pb2.GenerationParams, *, max_pixels: int = MAX_PIXELS) -> GenerationRequest:
-    """Check every field of fully specified params and return the runner-side request."""
+def check_options(options: Mapping[str, str], specs: tuple[OptionSpec, ...], family: str) -> None:
+    """Family options: known names, numbers of the right type, in their documented ranges."""
+    known = {spec.name: spec for spec in specs}
+    for name, text in options.items():
+        spec = known.get(name)
+        if spec is None:
+            names = ", ".join(known) or "none"
+            raise InvalidArgument(f"{family} has no option {name[:MAX_OPTION_CHARS]!r}; its options: {names}")
+        shown = text[:MAX_OPTION_CHARS]
+        try:
+            value = float(text) if spec.type == "float" else int(text)
+        except ValueError:
+            raise InvalidArgument(f"option {name} is {shown!r}; it must be a {spec.type}") from None
+        if not math.isfinite(value) or not spec.minimum <= value <= spec.maximum:
+            raise InvalidArgument(
+                f"option {name} is {shown}; it must be in [{spec.minimum:g}, {spec.maximum:g}]"
+            )
+
+
+def to_request(
+    params: stage_pb2.GenerationParams,
+    *,
+    max_pixels: int = MAX_PIXELS,
+    images: tuple[ImageInput, ...] = (),
+) -> GenerationRequest:
+    """Check every field of fully specified params and return the runner-side request (the
+    family checks what is its own: its options, its sizes, its images)."""
     if len(params.prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"prompt has {len(params.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
     if len(params.negative_prompt) > MAX_PROMPT_CHARS:
@@ -77,6 +114,11 @@ def to_request(params: stage_pb2.GenerationParams, *, max_pixels: int = MAX_PIXE
     seq = params.max_sequence_length
     if seq < 1 or seq > MAX_SEQUENCE_LENGTH:
         raise InvalidArgument(f"max_sequence_length is {seq}; it must be in [1, {MAX_SEQUENCE_LENGTH}]")
+    if len(params.options) > MAX_OPTIONS:
+        raise InvalidArgument(f"{len(params.options)} options given; the limit is {MAX_OPTIONS}")
+    for name, value in params.options.items():
+        if len(name) > MAX_OPTION_CHARS or len(value) > MAX_OPTION_CHARS:
+            raise InvalidArgument(f"option names and values are at most {MAX_OPTION_CHARS} characters")
     return GenerationRequest(
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -86,4 +128,6 @@ def to_request(params: stage_pb2.GenerationParams, *, max_pixels: int = MAX_PIXE
         true_cfg_scale=cfg,
         seed=params.seed,
         max_sequence_length=seq,
+        images=images,
+        options=tuple(sorted(params.options.items())),
     )

@@ -1,25 +1,46 @@
-"""The contract between a stage's worker and a model family's runners.
+"""The contract between omnistage and a model family.
 
-A model family is one file per stage (encode, denoise, decode) plus a fixture builder,
-registered by name in `omni_common.models.registry`. Workers only see these protocols.
+A family (a folder under omni_common/models/, registered in `registry.py`) declares:
+- its **roles**: the model calls it offers (an encoder forward, an autoregressive generator,
+  a denoising loop, a VAE decode...), each served by one of the three stage types;
+- its **plan** for a request: the role calls, in dependency order, with the named tensors each
+  consumes and produces. The coordinator executes any plan; it never names a family;
+- per stage type, a **stage model**: what one replica loads (weights, shared by the roles that
+  use them) and a runner per role. Runners come in three kinds, which the stage's worker drives:
+  `BatchRunner` (one call per request, micro-batched), `StepRunner` (step-wise, continuously
+  batched between steps: denoising loops, token generation) and `AsyncRunner` (manages its own
+  concurrency, e.g. a vLLM engine).
+
+`family.py` of a family must stay light (no torch model imports at module level): the
+coordinator imports it for validation and plans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 
+STAGE_TYPES = ("ar-encoder", "dit-denoise", "vae-decode")
+# Module roles: what sleep/wake and offload move (ModuleDeclaration), not model roles.
 MODULE_ROLES = ("dit", "encoder", "vae", "resident")
+RunnerKind = Literal["batch", "steps", "async"]
+# Where a plan step reads the request's own inputs: "input.image.0", "input.image.1", ...
+INPUT_PREFIX = "input."
+
+
+def input_image_name(index: int) -> str:
+    """The tensor name of the request's `index`-th input image (its encoded file bytes, uint8)."""
+    return f"{INPUT_PREFIX}image.{index}"
 
 
 @dataclass(frozen=True)
 class ModuleDeclaration:
-    """A family's torch modules by role, as dotted paths relative to a stage's runner (e.g.
+    """A family's torch modules by module role, as dotted paths relative to a stage model (e.g.
     "transformer.img_in"). Sleep moves every declared module's weights except those of
     `resident` modules (small ones that must stay on the device); `layers` name module lists
     (transformer blocks) that layerwise offload streams through the device one at a time."""
@@ -34,22 +55,40 @@ class ModuleDeclaration:
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """What validation and planning know of an input image without decoding its pixels."""
+
+    width: int
+    height: int
+    format: str  # PIL's name: "PNG", "JPEG", ...
+    digest: str  # sha256 of the encoded bytes, hex: the content address of caches
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
-    """One image request, already validated (sizes, ranges, finiteness)."""
+    """One request, already validated (sizes, ranges, finiteness)."""
 
     prompt: str
     negative_prompt: str = ""
     width: int = 1024
     height: int = 1024
     num_inference_steps: int = 50
+    # The family's guidance scale: Qwen-Image's true CFG scale, GLM-Image's CFG scale.
     true_cfg_scale: float = 4.0
     seed: int = 0
     max_sequence_length: int = 512
+    # The request's input images, in order (their bytes travel as `input_image_name(i)` tensors).
+    images: tuple[ImageInput, ...] = ()
+    # Family options (GenerationParams.options), checked by the family's `validate`.
+    options: tuple[tuple[str, str], ...] = ()
 
     @property
     def do_true_cfg(self) -> bool:
-        """diffusers' rule: CFG needs a scale above 1 and a negative prompt."""
+        """diffusers' rule for true CFG: a scale above 1 and a negative prompt."""
         return self.true_cfg_scale > 1 and self.negative_prompt != ""
+
+    def option(self, name: str, default: str = "") -> str:
+        return dict(self.options).get(name, default)
 
 
 @dataclass(frozen=True)
@@ -67,17 +106,54 @@ class DenoiserOptions:
     compile: bool = False
 
 
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage replica hands a family's loader besides the model directory."""
+
+    device: torch.device
+    dtype: torch.dtype
+    # The roles to load (a replica may serve a subset of its stage's roles); empty = all.
+    roles: tuple[str, ...] = ()
+    denoiser: DenoiserOptions = field(default_factory=DenoiserOptions)
+    # ar-encoder: "torch" or "vllm", for the roles that offer a vLLM backend.
+    backend: str = "torch"
+    vllm_memory_fraction: float = 0.1
+    # Async runners that batch by themselves: the batch window, sizes and queue bound.
+    batch_window_s: float = 0.0
+    max_batch: int = 8
+    max_queue: int = 64
+    # Output caches of roles that keep one (e.g. prompt embeddings), in bytes; 0 = off.
+    cache_bytes: int = 0
+    cache_bypass: bool = False
+    # Runs model work on the replica's compute thread (one forward at a time per device).
+    compute: Callable[..., Awaitable[Any]] | None = None
+
+    def wants(self, role: str) -> bool:
+        return not self.roles or role in self.roles
+
+
 @dataclass
 class StageState:
-    """What one stage hands the next: named CPU or device tensors plus string metadata."""
+    """What one role call hands the next: named CPU or device tensors plus string metadata."""
 
     tensors: dict[str, torch.Tensor]
     meta: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RoleCall:
+    """One request to a batch or async runner: the request and its input tensors."""
+
+    request: GenerationRequest
+    inputs: StageState
+    # The caller's deadline (time.monotonic()), for runners that queue; None = none.
+    deadline: float | None = None
+    label: str = ""  # the request id, for logs
+
+
 @dataclass
-class DenoiseState:
-    """Per-request state of a step-wise denoiser; families subclass it with their fields."""
+class StepState:
+    """Per-request state of a step-wise runner; families subclass it with their fields."""
 
     request: GenerationRequest
     step_index: int
@@ -85,84 +161,223 @@ class DenoiseState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class EncoderRunner(Protocol):
-    """Prompt text -> conditioning tensors."""
+class BatchRunner(Protocol):
+    """One call per request; the worker hands it whatever is queued as one batch."""
 
-    def encode(self, requests: Sequence[GenerationRequest]) -> list[StageState]:
-        """One StageState per request (positive and, with CFG, negative embeddings)."""
+    def run_batch(self, calls: Sequence[RoleCall]) -> list[StageState]:
+        """One output per call, in order. Raise omni_common.errors for a call's own fault."""
+        ...
+
+    def cost(self, call: RoleCall) -> int:
+        """What the call weighs against the stage's batch budget (pixels, tokens, or 1)."""
         ...
 
 
-class DenoiserRunner(Protocol):
-    """Step-wise denoising, so a scheduler can interleave requests between steps."""
+class StepRunner(Protocol):
+    """Step-wise work, so a scheduler can interleave requests between steps: a denoising
+    loop (one transformer forward + scheduler step) or token generation (one token)."""
 
-    def prepare(self, request: GenerationRequest, inputs: StageState) -> DenoiseState:
-        """Initial noise, timesteps and a fresh scheduler for one request."""
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> StepState:
+        """Everything before the first step (noise and timesteps; a prefill)."""
         ...
 
-    def batch_key(self, state: DenoiseState) -> Hashable:
-        """States with equal keys may share one transformer forward."""
+    def batch_key(self, state: StepState) -> Hashable:
+        """States with equal keys may share one step's forward."""
         ...
 
-    def step(self, states: Sequence[DenoiseState]) -> None:
+    def step_cost(self, state: StepState) -> int:
+        """Compute units of one step of `state` (image tokens x CFG passes; 1 for a token)."""
+        ...
+
+    def step(self, states: Sequence[StepState]) -> None:
         """Advance every state by one step, in place."""
         ...
 
-    def is_done(self, state: DenoiseState) -> bool: ...
+    def is_done(self, state: StepState) -> bool: ...
 
-    def is_finite(self, state: DenoiseState) -> bool:
-        """False when the state's latents hold NaN or Inf (the request must fail alone)."""
+    def is_finite(self, state: StepState) -> bool:
+        """False when the state holds NaN or Inf (the request must fail alone)."""
         ...
 
-    def preview(self, state: DenoiseState) -> np.ndarray:
-        """A small uint8 [h, w, 3] picture of the current latents, cheap (no VAE)."""
+    def preview(self, state: StepState) -> np.ndarray | None:
+        """A small uint8 [h, w, 3] picture of the state, cheap; None when there is none."""
         ...
 
-    def checkpoint(self, state: DenoiseState) -> StageState:
-        """What another replica needs to continue `state` (with the same request)."""
+    def checkpoint(self, state: StepState) -> StageState | None:
+        """What another replica needs to continue `state` (with the same request); None when
+        the runner does not resume (the step then restarts from the beginning)."""
         ...
 
-    def restore(self, state: DenoiseState, checkpoint: StageState) -> None:
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
         """Move a freshly prepared `state` to where `checkpoint` was taken."""
         ...
 
-    def finish(self, state: DenoiseState) -> StageState:
-        """The final latents (and their size metadata) for the decoder."""
+    def finish(self, state: StepState) -> StageState:
+        """The request's output; frees what the state held (as `release` does)."""
+        ...
+
+    def release(self, state: StepState) -> None:
+        """Free what a state holds on the runner (a KV-cache slot) when it leaves unfinished:
+        cancelled, expired or failed. Idempotent; nothing to do for most runners."""
         ...
 
     def forget_cuda_graphs(self) -> None:
         """Drop captured CUDA graphs: they hold the weights' device addresses, which a sleep
-        frees (later forwards capture them again). Nothing to do without graphs."""
+        frees (later steps capture them again). Nothing to do without graphs."""
         ...
 
 
-class DecoderRunner(Protocol):
-    """Latents -> images."""
+class AsyncRunner(Protocol):
+    """A runner that batches and queues by itself (a vLLM engine, a cache in front of a model)."""
 
-    def decode(self, states: Sequence[StageState]) -> list[torch.Tensor]:
-        """One float32 [3, H, W] image in [0, 1] per state (diffusers' output_type="pt")."""
+    async def run(self, call: RoleCall) -> StageState: ...
+
+    def load(self) -> int:
+        """Work waiting or running (the stage's load signal)."""
         ...
+
+    def close(self) -> None: ...
+
+
+Runner = BatchRunner | StepRunner | AsyncRunner
+
+
+class StageModel(Protocol):
+    """What one replica of a stage type loads: the weights, and a runner per role it serves.
+    Module declarations (sleep, offload) resolve against this object."""
+
+    @property
+    def runners(self) -> Mapping[str, Runner]: ...
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """A model role: a kind of call a family's stage model can serve."""
+
+    name: str  # e.g. "text-encoder", "prior", "denoise", "vae-decode"
+    stage: str  # the stage type that serves it (STAGE_TYPES)
+    kind: RunnerKind
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """One role call of a request.
+
+    `consumes` names tensors produced by earlier steps or request inputs (INPUT_PREFIX);
+    `produces` names what the step's output must hold. `progress` is what its progress events
+    count: "steps" (denoising steps), "tokens" (generated tokens) or "" (none). A `resumable`
+    step sends checkpoints and resumes on another replica from the latest one. A step with a
+    `cache_key` has outputs that depend only on what the key says: a request with the same key
+    reuses them (content-addressed, e.g. by input image digests).
+    """
+
+    name: str
+    stage: str
+    role: str
+    consumes: tuple[str, ...] = ()
+    produces: tuple[str, ...] = ()
+    progress: Literal["", "steps", "tokens"] = ""
+    resumable: bool = False
+    cache_key: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The steps of one request, each after the steps it consumes from; the last is the result."""
+
+    steps: tuple[PlanStep, ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError("a plan needs at least one step")
+        produced: set[str] = set()
+        names: set[str] = set()
+        for step in self.steps:
+            if step.stage not in STAGE_TYPES:
+                raise ValueError(f"plan step {step.name!r}: unknown stage {step.stage!r}")
+            if step.name in names:
+                raise ValueError(f"plan step {step.name!r} appears twice")
+            missing = [t for t in step.consumes if t not in produced and not t.startswith(INPUT_PREFIX)]
+            if missing:
+                raise ValueError(
+                    f"plan step {step.name!r} consumes {missing}, which no earlier step produces"
+                )
+            overlap = produced & set(step.produces)
+            if overlap:
+                raise ValueError(f"plan step {step.name!r} produces {sorted(overlap)} again")
+            names.add(step.name)
+            produced.update(step.produces)
+
+    @property
+    def result(self) -> PlanStep:
+        return self.steps[-1]
+
+    def producer(self, tensor: str) -> PlanStep | None:
+        """The step that produces `tensor`; None for a request input."""
+        return next((step for step in self.steps if tensor in step.produces), None)
+
+    def consumers(self, step: PlanStep) -> list[PlanStep]:
+        """The steps that consume any output of `step`."""
+        return [s for s in self.steps if set(s.consumes) & set(step.produces)]
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """A family option (GenerationParams.options[name]): its type, default and range."""
+
+    name: str
+    type: Literal["float", "int"]
+    default: str
+    minimum: float
+    maximum: float
+    description: str
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a family's models take and give (ListModels says it to clients)."""
+
+    inputs: tuple[str, ...] = ("text",)  # "text", "image"
+    max_images: int = 0
+    outputs: tuple[str, ...] = ("image",)
+    options: tuple[OptionSpec, ...] = ()
+    # Defaults of the optional GenerationParams fields that differ from omnistage's own.
+    defaults: Mapping[str, float] = field(default_factory=dict)
+    # Output sizes must be multiples of this.
+    size_multiple: int = 16
 
 
 class ModelFamily(Protocol):
-    """A family of models served by omnistage, e.g. "qwenimage"."""
+    """A family of models served by omnistage, e.g. "qwenimage", "glm-image"."""
 
-    name: str
-    # What sleep/wake and offload move; None makes workers scan runner attributes instead.
-    modules: ModuleDeclaration | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def card(self) -> ModelCard: ...
+
+    @property
+    def roles(self) -> tuple[RoleSpec, ...]: ...
+
+    @property
+    def modules(self) -> ModuleDeclaration | None:
+        """What sleep/wake and offload move; None makes workers scan the stage model's attributes."""
+        ...
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise omni_common.errors.InvalidArgument for requests the family cannot serve."""
         ...
 
-    def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> EncoderRunner: ...
+    def plan(self, request: GenerationRequest) -> Plan:
+        """The role calls that serve `request` (validated)."""
+        ...
 
-    def load_denoiser(
-        self,
-        model_dir: Path,
-        device: torch.device,
-        dtype: torch.dtype,
-        options: DenoiserOptions | None = None,
-    ) -> DenoiserRunner: ...
+    def load(self, stage: str, model_dir: Path, context: StageContext) -> StageModel:
+        """The stage model of `stage` for the roles `context` asks for."""
+        ...
 
-    def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> DecoderRunner: ...
+
+def roles_of(family: ModelFamily, stage: str) -> tuple[str, ...]:
+    """The names of the roles a family serves on `stage`."""
+    return tuple(role.name for role in family.roles if role.stage == stage)

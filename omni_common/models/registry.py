@@ -1,7 +1,9 @@
-"""Model families by name, and which family serves a diffusers model directory."""
+"""Model families by name, and which family serves a diffusers model directory. Importing a
+family imports only its family.py (light: roles, plan, validation); runners load with a stage."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,10 +18,16 @@ def _qwenimage() -> ModelFamily:
     return QwenImageFamily()
 
 
+def _glm_image() -> ModelFamily:
+    from omni_common.models.glm_image.family import GlmImageFamily
+
+    return GlmImageFamily()
+
+
 # name -> factory; imports stay lazy so a service only imports the family it serves.
-_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"qwenimage": _qwenimage}
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"qwenimage": _qwenimage, "glm-image": _glm_image}
 # diffusers pipeline class (model_index.json "_class_name") -> family name
-_PIPELINE_CLASSES = {"QwenImagePipeline": "qwenimage"}
+_PIPELINE_CLASSES = {"QwenImagePipeline": "qwenimage", "GlmImagePipeline": "glm-image"}
 
 
 def family_names() -> list[str]:
@@ -29,10 +37,17 @@ def family_names() -> list[str]:
 
 def get_family(name: str) -> ModelFamily:
     """The family registered under `name`; NotFound for an unknown name."""
+    family = find_family(name)
+    if family is None:
+        raise NotFound(f"unknown model family {name[:50]!r}; known: {', '.join(family_names())}")
+    return family
+
+
+@functools.cache
+def find_family(name: str) -> ModelFamily | None:
+    """The family registered under `name` (one instance per process), None for an unknown name."""
     factory = _FAMILIES.get(name)
-    if factory is None:
-        raise NotFound(f"unknown model family {name!r}; known: {', '.join(family_names())}")
-    return factory()
+    return factory() if factory is not None else None
 
 
 def family_for_model_dir(model_dir: Path) -> ModelFamily:

@@ -43,6 +43,8 @@ class StageConfig:
     max_tokens: int = 65536
     max_batch_pixels: int = 131072
     coordinator: str = ""
+    # The model roles this replica serves (a subset of its family's roles on its stage); () = all.
+    roles: tuple[str, ...] = ()
     backend: str = "torch"
     cache_bytes: int = 256 * 1024 * 1024
     cache_bypass: bool = False
@@ -75,6 +77,12 @@ class CoordinatorConfig:
     # swap: weight bytes that may be awake at once on one device; 0 = 90% of its memory.
     device_memory_budget: int = 0
     metrics_port: int = 0
+    advertise_host: str = ""
+    # Content-addressed outputs of cacheable plan steps (GLM-Image's condition KV), held in
+    # their producers' memory: at most this many bytes, each for at most this long (less than
+    # the stages' lease TTL, which would end them).
+    step_cache_bytes: int = 2 << 30
+    step_cache_ttl_s: float = 300.0
 
     @property
     def bind_address(self) -> str:
@@ -107,6 +115,11 @@ def add_common_args(parser: argparse.ArgumentParser, service: str) -> None:
         # Off by default: the local cluster runs every service on one host, where one fixed
         # port would collide; deploy/k8s sets it (each pod has its own network namespace).
         help="serve Prometheus metrics over HTTP at :PORT/metrics (0 = off)",
+    )
+    parser.add_argument(
+        "--advertise-host",
+        default=env("ADVERTISE_HOST", ""),
+        help="host name peers use to reach this replica (default: --host)",
     )
 
 
@@ -164,6 +177,12 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="coordinator address to register with and heartbeat to (empty: static config only)",
     )
     parser.add_argument(
+        "--roles",
+        default=env("ROLES", ""),
+        help="comma-separated model roles to serve (e.g. prior); empty = every role the model's "
+        "family has on this stage. Replicas of one role scale separately from the others",
+    )
+    parser.add_argument(
         "--backend",
         default=env("BACKEND", "torch"),
         choices=("torch", "vllm"),
@@ -213,11 +232,6 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="dit-denoise: torch.compile the transformer's repeated blocks (auto: on a CUDA device "
         "without layerwise offload)",
     )
-    parser.add_argument(
-        "--advertise-host",
-        default=env("ADVERTISE_HOST", ""),
-        help="host name peers use to reach this replica (default: --host)",
-    )
 
 
 def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
@@ -241,6 +255,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         max_tokens=args.max_tokens,
         max_batch_pixels=args.max_batch_pixels,
         coordinator=args.coordinator,
+        roles=tuple(role.strip() for role in args.roles.split(",") if role.strip()),
         backend=args.backend,
         cache_bytes=args.cache_bytes,
         cache_bypass=args.cache_bypass,
@@ -284,6 +299,19 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         help="requests in flight; more are refused with RESOURCE_EXHAUSTED",
     )
     parser.add_argument(
+        "--step-cache-bytes",
+        type=int,
+        default=int(env("STEP_CACHE_BYTES", str(2 << 30))),
+        help="bytes of cacheable step outputs (GLM-Image's condition KV) kept for reuse by requests "
+        "with the same inputs, in their producers' memory (0 = off)",
+    )
+    parser.add_argument(
+        "--step-cache-ttl",
+        type=float,
+        default=float(env("STEP_CACHE_TTL_S", "300")),
+        help="seconds a cached step output is reused at most; keep it below the stages' --lease-ttl",
+    )
+    parser.add_argument(
         "--device-memory-budget",
         type=int,
         default=int(env("DEVICE_MEMORY_BUDGET", "0")),
@@ -307,4 +335,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         offload=args.offload,
         device_memory_budget=args.device_memory_budget,
         metrics_port=args.metrics_port,
+        advertise_host=args.advertise_host,
+        step_cache_bytes=args.step_cache_bytes,
+        step_cache_ttl_s=args.step_cache_ttl,
     )

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -115,3 +116,17 @@ def run(main: Coroutine[Any, Any, None]) -> None:
         except ImportError:
             log.warning("uvloop is not installed; using the standard asyncio loop")
     asyncio.run(main)
+
+
+def advertised_address(bound: str, advertise_host: str = "") -> str:
+    """The address peers reach a service at: `advertise_host` (or, bound to 0.0.0.0, this
+    host's address as its peers see it: a container's IP on its network) with the bound port."""
+    host, port = bound.rsplit(":", 1)
+    if advertise_host:
+        host = advertise_host
+    elif host == "0.0.0.0":
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    return f"{host}:{port}"

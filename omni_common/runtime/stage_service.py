@@ -1,17 +1,18 @@
 """The Stage gRPC servicer shared by all three stages.
 
-It validates the request, imports the input tensors (mapping handles, checking leases),
-runs the stage worker, exports the output into this process's arena and streams events.
-Torch work happens only inside the worker; errors become gRPC statuses here.
+It validates the request (parameters, the role asked for, input images), imports the input
+tensors (mapping handles, checking leases), runs the role on the stage worker, exports the
+output into this process's arena and streams events. Torch work happens only inside the
+worker; errors become gRPC statuses here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Protocol
 
 import grpc
@@ -19,14 +20,15 @@ import torch
 from grpc_health.v1 import health
 
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
+from omni_common.imaging import input_images
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
+from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.memory import Transition
 from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, keep_registered
-from omni_common.runtime.serve import serve
+from omni_common.runtime.serve import advertised_address, serve
 from omni_common.runtime.stage_control import StageControlServicer
-from omni_common.runtime.worker import Progress, StageCall
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
 from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -47,6 +49,11 @@ class StageWorker(Protocol):
     on_memory_change: Callable[[], Awaitable[None]] | None
 
     @property
+    def roles(self) -> list[str]:
+        """The roles served, the default one first."""
+        ...
+
+    @property
     def awake(self) -> bool: ...
 
     @property
@@ -63,6 +70,10 @@ class StageWorker(Protocol):
     async def wake(self) -> Transition: ...
 
     def validate(self, request: GenerationRequest) -> None: ...
+
+    def handler(self, role: str) -> object:
+        """NOT_FOUND for a role the replica does not serve."""
+        ...
 
     def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
@@ -110,6 +121,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             asleep=not self.worker.awake,
             weight_bytes=self.worker.weight_bytes,
             device_memory_bytes=self.worker.device_memory_bytes,
+            roles=self.worker.roles,
         )
 
     async def Info(
@@ -138,6 +150,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return event
 
     def _check(self, request: stage_pb2.StageRequest) -> GenerationRequest:
+        """The request's parameters, checked (not yet its images: see _with_images)."""
         if self.draining:
             raise Unavailable(f"{self.worker.stage} is shutting down; retry on another replica")
         check_request_id(request.request_id)
@@ -146,7 +159,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"model {request.params.model[:100]!r} is not served here; "
                 f"this {self.worker.stage} serves {self.worker.model_name!r}"
             )
-        gen = to_request(request.params, max_pixels=self.max_pixels)
+        self.worker.handler(request.role)
+        return to_request(request.params, max_pixels=self.max_pixels)
+
+    def _with_images(self, gen: GenerationRequest, tensors: dict[str, torch.Tensor]) -> GenerationRequest:
+        """`gen` with the input images this call carries, checked like the coordinator checks
+        them (a stage may be called directly), then the family's validation."""
+        gen = replace(gen, images=input_images(tensors, max_pixels=self.max_pixels))
         self.worker.validate(gen)
         return gen
 
@@ -166,6 +185,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 raise DeadlineExceeded(f"request {rid}: the deadline passed before {self.worker.stage}")
             tensors, meta = await self.transport.import_state(request.input)
             check_finite(tensors)
+            gen = self._with_images(gen, tensors)
             resume = None
             if request.HasField("resume"):
                 resume = StageState(*await self.transport.import_state(request.resume))
@@ -179,6 +199,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 request_id=rid,
                 request=gen,
                 inputs=StageState(tensors, meta),
+                role=request.role,
                 outputs=outputs,
                 progress_every=request.progress_every,
                 preview_every=request.preview_every,
@@ -227,14 +248,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self.metrics.requests.finished(code)
 
 
-def _own_ip() -> str:
-    """This host's address as its peers see it (a container's IP on its network)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 async def serve_stage(
     config: StageConfig,
     make_worker: Callable[[StageConfig], StageWorker],
@@ -254,9 +267,7 @@ async def serve_stage(
     background: list[asyncio.Task[None]] = []
 
     async def setup(server: grpc.aio.Server, address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        host = config.advertise_host or (_own_ip() if host == "0.0.0.0" else host)
-        transport.address = f"{host}:{port}"
+        transport.address = advertised_address(address, config.advertise_host)
         stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
         stage_pb2_grpc.add_StageControlServicer_to_server(control, server)
         await control.publish()

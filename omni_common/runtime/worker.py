@@ -1,30 +1,39 @@
 """Worker base: the infrastructure of one device, shared by every stage.
 
 It picks the device and dtype, sets the thread count, owns the single compute thread (one
-model forward at a time per device, so the event loop stays free for RPCs), loads the
-model family, and owns the device memory of the weights: sleep/wake and layerwise offload of
-the modules the family declares. Stage workers (services/<stage>/worker.py) add their
-runner on top and hand it to `manage_memory`.
+model forward at a time per device, so the event loop stays free for RPCs), loads the model
+family's stage model with a runner per role this replica serves, drives each runner by its
+kind (omni_common.runtime.roles), and owns the device memory of the weights: sleep/wake and
+layerwise offload of the modules the family declares. Stage workers
+(services/<stage>/worker.py) add what their stage type means: the DiT's execution flags, the
+encoder's backend, the decoder's image encodings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from omni_common.errors import FailedPrecondition, InvalidArgument
-from omni_common.models.base import GenerationRequest, ModelFamily, StageState
+from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from omni_common.models.base import (
+    GenerationRequest,
+    ModelFamily,
+    RoleSpec,
+    StageContext,
+    StageModel,
+    StageState,
+)
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
+from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
 from omni_common.runtime.offload import LayerwiseOffload
+from omni_common.runtime.roles import RoleHandler, RoleLimits, role_handler
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")
@@ -45,7 +54,7 @@ def pick_device(name: str) -> torch.device:
 
 
 class Worker:
-    """One stage on one device. Subclasses load a runner in `__init__`."""
+    """One stage on one device: the family's stage model and a handler per role it serves."""
 
     def __init__(self, config: StageConfig) -> None:
         self.config = config
@@ -65,19 +74,104 @@ class Worker:
         self._forget_weight_addresses: Callable[[], None] = lambda: None
         self._memory_lock = asyncio.Lock()  # one sleep/wake at a time, none under a new call
         self.on_memory_change: Callable[[], Awaitable[None]] | None = None  # e.g. health
+        self.role_specs = self._served_roles()
         log.info(
-            "%s: model %s (%s) on %s in %s, %d threads",
+            "%s: model %s (%s) on %s in %s, %d threads; roles %s",
             self.stage,
             self.model_name,
             self.family.name,
             self.device,
             config.dtype,
             torch.get_num_threads(),
+            ", ".join(spec.name for spec in self.role_specs),
+        )
+        context = self.stage_context()
+        self.model = self._load_model(context)
+        has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
+        self.manage_memory(
+            self.model,
+            reload=(lambda: self._load_model(context)) if has_weights else None,
+            forget_weight_addresses=self._forget_cuda_graphs,
+        )
+        limits = self.role_limits()
+        self.handlers: dict[str, RoleHandler] = {
+            spec.name: role_handler(spec, self.model.runners[spec.name], self.compute, limits)
+            for spec in self.role_specs
+        }
+
+    @property
+    def roles(self) -> list[str]:
+        """The roles this replica serves, the stage's default (first) one first."""
+        return [spec.name for spec in self.role_specs]
+
+    def _served_roles(self) -> list[RoleSpec]:
+        offered = [spec for spec in self.family.roles if spec.stage == self.stage]
+        wanted = self.config.roles
+        unknown = sorted(set(wanted) - {spec.name for spec in offered})
+        if unknown:
+            raise SystemExit(
+                f"{self.stage}: {self.family.name} has no {self.stage} role {unknown[0]!r}; "
+                f"its roles here: {', '.join(spec.name for spec in offered) or 'none'}"
+            )
+        served = [spec for spec in offered if not wanted or spec.name in wanted]
+        if not served:
+            raise SystemExit(f"{self.stage}: model family {self.family.name} has no roles on this stage")
+        return served
+
+    def stage_context(self) -> StageContext:
+        """What the family's loader gets; stage workers add their stage's options."""
+        config = self.config
+        return StageContext(
+            device=self.device,
+            dtype=self.dtype,
+            roles=tuple(spec.name for spec in self.role_specs),
+            batch_window_s=config.batch_window_ms / 1e3,
+            max_batch=config.max_batch,
+            max_queue=config.max_queue,
+            compute=self.compute,
         )
 
+    def role_limits(self) -> RoleLimits:
+        config = self.config
+        return RoleLimits(
+            max_batch=config.max_batch,
+            max_queue=config.max_queue,
+            batch_window_s=config.batch_window_ms / 1e3,
+            max_step_cost=config.max_tokens,
+        )
+
+    def _load_model(self, context: StageContext) -> StageModel:
+        model = self.family.load(self.stage, self.config.model_dir, context)
+        missing = [spec.name for spec in self.role_specs if spec.name not in model.runners]
+        if missing:
+            raise SystemExit(f"{self.stage}: {self.family.name} loaded no runner for role {missing[0]!r}")
+        return model
+
+    def _forget_cuda_graphs(self) -> None:
+        for spec in self.role_specs:
+            if spec.kind == "steps":
+                self.model.runners[spec.name].forget_cuda_graphs()  # type: ignore[union-attr]
+
     def load(self) -> int:
-        """The stage's load signal for routing; stages refine it."""
-        return self.in_flight
+        """The stage's load signal for routing: the sum of its roles' work."""
+        return sum(handler.load() for handler in self.handlers.values())
+
+    def validate(self, request: GenerationRequest) -> None:
+        self.family.validate(request)
+
+    def handler(self, role: str) -> RoleHandler:
+        """The handler of `role` ("" = the stage's default role); NOT_FOUND for one not served."""
+        handler = self.handlers.get(role or self.roles[0])
+        if handler is None:
+            raise NotFound(
+                f"this {self.stage} replica serves roles {', '.join(self.roles)}, not {role[:50]!r}"
+            )
+        return handler
+
+    async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
+        """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
+        async for item in self.handler(call.role).run(call):
+            yield item
 
     def manage_memory(
         self,
@@ -165,37 +259,8 @@ class Worker:
         return await loop.run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
+        for handler in self.handlers.values():
+            handler.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         for offload in self.layerwise:
             offload.close()
-
-
-@dataclass
-class Progress:
-    """A step of a stage's work, as its worker reports it (the server turns it into a
-    StepProgress event, exporting the checkpoint's tensors)."""
-
-    step: int
-    total: int
-    step_ms: float = 0.0
-    preview_png: bytes = b""
-    checkpoint: StageState | None = None
-
-
-@dataclass(frozen=True)
-class StageCall:
-    """One validated request to a stage, as its worker sees it."""
-
-    request_id: str
-    request: GenerationRequest
-    inputs: StageState
-    outputs: frozenset[str] = frozenset()
-    progress_every: int = 1
-    preview_every: int = 0
-    # time.monotonic() after which the caller no longer wants the result; None = no deadline.
-    deadline: float | None = None
-    checkpoint_every: int = 0
-    resume: StageState | None = None
-
-    def expired(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline

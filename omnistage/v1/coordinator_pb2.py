@@ -26,7 +26,7 @@ from omnistage.v1 import stage_pb2 as omnistage_dot_v1_dot_stage__pb2
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomnistage/v1/coordinator.proto\x12\x0comnistage.v1\x1a\x18omnistage/v1/stage.proto\x1a\x19omnistage/v1/tensor.proto\"\xcc\x01\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.omnistage.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rreturn_tensor\x18\x03 \x01(\x08\x12\x16\n\x0eprogress_every\x18\x04 \x01(\r\x12/\n\x0cimage_format\x18\x05 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x15\n\rpreview_every\x18\x06 \x01(\r\"\x1e\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\".\n\x0cStageStarted\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\"C\n\rStageFinished\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07wall_ms\x18\x02 \x01(\x02\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\"?\n\x0b\x44\x65noiseStep\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\x13\n\x0bpreview_png\x18\x03 \x01(\x0c\"(\n\x08RawChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xa2\x01\n\x06Result\x12\r\n\x05image\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\'\n\x06tensor\x18\x04 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12/\n\x0cimage_format\x18\x06 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd6\x02\n\rGenerateEvent\x12*\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x16.omnistage.v1.AcceptedH\x00\x12\x33\n\rstage_started\x18\x02 \x01(\x0b\x32\x1a.omnistage.v1.StageStartedH\x00\x12\x35\n\x0estage_finished\x18\x03 \x01(\x0b\x32\x1b.omnistage.v1.StageFinishedH\x00\x12)\n\x04step\x18\x04 \x01(\x0b\x32\x19.omnistage.v1.DenoiseStepH\x00\x12+\n\traw_chunk\x18\x05 \x01(\x0b\x32\x16.omnistage.v1.RawChunkH\x00\x12&\n\x06result\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.ResultH\x00\x12$\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x13.omnistage.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"\x93\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x37\n\x08replicas\x18\x03 \x03(\x0b\x32%.omnistage.v1.ModelInfo.ReplicasEntry\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.omnistage.v1.ModelInfo\"\"\n\x0eHeartbeatReply\x12\x10\n\x08lease_ms\x18\x01 \x01(\r*:\n\x0bImageFormat\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x00\x12\x15\n\x11IMAGE_FORMAT_RGB8\x10\x01\x32\x93\x01\n\x08Registry\x12\x42\n\tHeartbeat\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply\x12\x43\n\nDeregister\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply2\xed\x01\n\x0b\x43oordinator\x12H\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1b.omnistage.v1.GenerateEvent0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.omnistage.v1.CancelRequest\x1a\x1c.omnistage.v1.CancelResponse\x12O\n\nListModels\x12\x1f.omnistage.v1.ListModelsRequest\x1a .omnistage.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomnistage/v1/coordinator.proto\x12\x0comnistage.v1\x1a\x18omnistage/v1/stage.proto\x1a\x19omnistage/v1/tensor.proto\"\xf6\x01\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.omnistage.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rreturn_tensor\x18\x03 \x01(\x08\x12\x16\n\x0eprogress_every\x18\x04 \x01(\r\x12/\n\x0cimage_format\x18\x05 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x15\n\rpreview_every\x18\x06 \x01(\r\x12(\n\x06inputs\x18\x07 \x03(\x0b\x32\x18.omnistage.v1.InputMedia\",\n\nInputMedia\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x42\x07\n\x05mediaJ\x04\x08\x02\x10\x03\"\x1e\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cStageStarted\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\"a\n\rStageFinished\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07wall_ms\x18\x02 \x01(\x02\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x08\"<\n\rTokenProgress\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"?\n\x0b\x44\x65noiseStep\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\x13\n\x0bpreview_png\x18\x03 \x01(\x0c\"(\n\x08RawChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xb0\x01\n\x06Result\x12\r\n\x05image\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\'\n\x06tensor\x18\x04 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12/\n\x0cimage_format\x18\x06 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x0c\n\x04kind\x18\x07 \x01(\t\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x85\x03\n\rGenerateEvent\x12*\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x16.omnistage.v1.AcceptedH\x00\x12\x33\n\rstage_started\x18\x02 \x01(\x0b\x32\x1a.omnistage.v1.StageStartedH\x00\x12\x35\n\x0estage_finished\x18\x03 \x01(\x0b\x32\x1b.omnistage.v1.StageFinishedH\x00\x12)\n\x04step\x18\x04 \x01(\x0b\x32\x19.omnistage.v1.DenoiseStepH\x00\x12+\n\traw_chunk\x18\x05 \x01(\x0b\x32\x16.omnistage.v1.RawChunkH\x00\x12&\n\x06result\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.ResultH\x00\x12$\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x13.omnistage.v1.ErrorH\x00\x12-\n\x06tokens\x18\x08 \x01(\x0b\x32\x1b.omnistage.v1.TokenProgressH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"w\n\x0bModelOption\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x15\n\rdefault_value\x18\x03 \x01(\t\x12\x0f\n\x07minimum\x18\x04 \x01(\x01\x12\x0f\n\x07maximum\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\xe5\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x37\n\x08replicas\x18\x03 \x03(\x0b\x32%.omnistage.v1.ModelInfo.ReplicasEntry\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x12\n\nmax_images\x18\x05 \x01(\r\x12\x0f\n\x07outputs\x18\x06 \x03(\t\x12*\n\x07options\x18\x07 \x03(\x0b\x32\x19.omnistage.v1.ModelOption\x12\x31\n\x05roles\x18\x08 \x03(\x0b\x32\".omnistage.v1.ModelInfo.RolesEntry\x12\r\n\x05ready\x18\t \x01(\x08\x12\x37\n\x08\x64\x65\x66\x61ults\x18\n \x03(\x0b\x32%.omnistage.v1.ModelInfo.DefaultsEntry\x12\x15\n\rsize_multiple\x18\x0b \x01(\r\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a,\n\nRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a/\n\rDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.omnistage.v1.ModelInfo\"\"\n\x0eHeartbeatReply\x12\x10\n\x08lease_ms\x18\x01 \x01(\r*:\n\x0bImageFormat\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x00\x12\x15\n\x11IMAGE_FORMAT_RGB8\x10\x01\x32\x93\x01\n\x08Registry\x12\x42\n\tHeartbeat\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply\x12\x43\n\nDeregister\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply2\xed\x01\n\x0b\x43oordinator\x12H\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1b.omnistage.v1.GenerateEvent0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.omnistage.v1.CancelRequest\x1a\x1c.omnistage.v1.CancelResponse\x12O\n\nListModels\x12\x1f.omnistage.v1.ListModelsRequest\x1a .omnistage.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,42 +35,56 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELINFO_REPLICASENTRY']._loaded_options = None
   _globals['_MODELINFO_REPLICASENTRY']._serialized_options = b'8\001'
-  _globals['_IMAGEFORMAT']._serialized_start=1458
-  _globals['_IMAGEFORMAT']._serialized_end=1516
+  _globals['_MODELINFO_ROLESENTRY']._loaded_options = None
+  _globals['_MODELINFO_ROLESENTRY']._serialized_options = b'8\001'
+  _globals['_MODELINFO_DEFAULTSENTRY']._loaded_options = None
+  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_options = b'8\001'
+  _globals['_IMAGEFORMAT']._serialized_start=2186
+  _globals['_IMAGEFORMAT']._serialized_end=2244
   _globals['_GENERATEREQUEST']._serialized_start=102
-  _globals['_GENERATEREQUEST']._serialized_end=306
-  _globals['_ACCEPTED']._serialized_start=308
-  _globals['_ACCEPTED']._serialized_end=338
-  _globals['_STAGESTARTED']._serialized_start=340
-  _globals['_STAGESTARTED']._serialized_end=386
-  _globals['_STAGEFINISHED']._serialized_start=388
-  _globals['_STAGEFINISHED']._serialized_end=455
-  _globals['_DENOISESTEP']._serialized_start=457
-  _globals['_DENOISESTEP']._serialized_end=520
-  _globals['_RAWCHUNK']._serialized_start=522
-  _globals['_RAWCHUNK']._serialized_end=562
-  _globals['_RESULT']._serialized_start=565
-  _globals['_RESULT']._serialized_end=727
-  _globals['_ERROR']._serialized_start=729
-  _globals['_ERROR']._serialized_end=767
-  _globals['_GENERATEEVENT']._serialized_start=770
-  _globals['_GENERATEEVENT']._serialized_end=1112
-  _globals['_CANCELREQUEST']._serialized_start=1114
-  _globals['_CANCELREQUEST']._serialized_end=1149
-  _globals['_CANCELRESPONSE']._serialized_start=1151
-  _globals['_CANCELRESPONSE']._serialized_end=1186
-  _globals['_LISTMODELSREQUEST']._serialized_start=1188
-  _globals['_LISTMODELSREQUEST']._serialized_end=1207
-  _globals['_MODELINFO']._serialized_start=1210
-  _globals['_MODELINFO']._serialized_end=1357
-  _globals['_MODELINFO_REPLICASENTRY']._serialized_start=1310
-  _globals['_MODELINFO_REPLICASENTRY']._serialized_end=1357
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1359
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1420
-  _globals['_HEARTBEATREPLY']._serialized_start=1422
-  _globals['_HEARTBEATREPLY']._serialized_end=1456
-  _globals['_REGISTRY']._serialized_start=1519
-  _globals['_REGISTRY']._serialized_end=1666
-  _globals['_COORDINATOR']._serialized_start=1669
-  _globals['_COORDINATOR']._serialized_end=1906
+  _globals['_GENERATEREQUEST']._serialized_end=348
+  _globals['_INPUTMEDIA']._serialized_start=350
+  _globals['_INPUTMEDIA']._serialized_end=394
+  _globals['_ACCEPTED']._serialized_start=396
+  _globals['_ACCEPTED']._serialized_end=426
+  _globals['_STAGESTARTED']._serialized_start=428
+  _globals['_STAGESTARTED']._serialized_end=502
+  _globals['_STAGEFINISHED']._serialized_start=504
+  _globals['_STAGEFINISHED']._serialized_end=601
+  _globals['_TOKENPROGRESS']._serialized_start=603
+  _globals['_TOKENPROGRESS']._serialized_end=663
+  _globals['_DENOISESTEP']._serialized_start=665
+  _globals['_DENOISESTEP']._serialized_end=728
+  _globals['_RAWCHUNK']._serialized_start=730
+  _globals['_RAWCHUNK']._serialized_end=770
+  _globals['_RESULT']._serialized_start=773
+  _globals['_RESULT']._serialized_end=949
+  _globals['_ERROR']._serialized_start=951
+  _globals['_ERROR']._serialized_end=989
+  _globals['_GENERATEEVENT']._serialized_start=992
+  _globals['_GENERATEEVENT']._serialized_end=1381
+  _globals['_CANCELREQUEST']._serialized_start=1383
+  _globals['_CANCELREQUEST']._serialized_end=1418
+  _globals['_CANCELRESPONSE']._serialized_start=1420
+  _globals['_CANCELRESPONSE']._serialized_end=1455
+  _globals['_LISTMODELSREQUEST']._serialized_start=1457
+  _globals['_LISTMODELSREQUEST']._serialized_end=1476
+  _globals['_MODELOPTION']._serialized_start=1478
+  _globals['_MODELOPTION']._serialized_end=1597
+  _globals['_MODELINFO']._serialized_start=1600
+  _globals['_MODELINFO']._serialized_end=2085
+  _globals['_MODELINFO_REPLICASENTRY']._serialized_start=1943
+  _globals['_MODELINFO_REPLICASENTRY']._serialized_end=1990
+  _globals['_MODELINFO_ROLESENTRY']._serialized_start=1992
+  _globals['_MODELINFO_ROLESENTRY']._serialized_end=2036
+  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_start=2038
+  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_end=2085
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2087
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2148
+  _globals['_HEARTBEATREPLY']._serialized_start=2150
+  _globals['_HEARTBEATREPLY']._serialized_end=2184
+  _globals['_REGISTRY']._serialized_start=2247
+  _globals['_REGISTRY']._serialized_end=2394
+  _globals['_COORDINATOR']._serialized_start=2397
+  _globals['_COORDINATOR']._serialized_end=2634
 # @@protoc_insertion_point(module_scope)

@@ -17,20 +17,28 @@ IMAGE_FORMAT_PNG: ImageFormat
 IMAGE_FORMAT_RGB8: ImageFormat
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format", "preview_every")
+    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format", "preview_every", "inputs")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_TENSOR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_EVERY_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     params: _stage_pb2.GenerationParams
     request_id: str
     return_tensor: bool
     progress_every: int
     image_format: ImageFormat
     preview_every: int
-    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[InputMedia]
+    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputMedia, _Mapping]]] = ...) -> None: ...
+
+class InputMedia(_message.Message):
+    __slots__ = ("image",)
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    def __init__(self, image: _Optional[bytes] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id",)
@@ -39,22 +47,40 @@ class Accepted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class StageStarted(_message.Message):
-    __slots__ = ("stage", "replica")
+    __slots__ = ("stage", "replica", "step", "role")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     stage: str
     replica: str
-    def __init__(self, stage: _Optional[str] = ..., replica: _Optional[str] = ...) -> None: ...
+    step: str
+    role: str
+    def __init__(self, stage: _Optional[str] = ..., replica: _Optional[str] = ..., step: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class StageFinished(_message.Message):
-    __slots__ = ("stage", "wall_ms", "compute_ms")
+    __slots__ = ("stage", "wall_ms", "compute_ms", "step", "cached")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     WALL_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     stage: str
     wall_ms: float
     compute_ms: float
-    def __init__(self, stage: _Optional[str] = ..., wall_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    step: str
+    cached: bool
+    def __init__(self, stage: _Optional[str] = ..., wall_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., step: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+
+class TokenProgress(_message.Message):
+    __slots__ = ("step", "tokens", "total")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    step: str
+    tokens: int
+    total: int
+    def __init__(self, step: _Optional[str] = ..., tokens: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class DenoiseStep(_message.Message):
     __slots__ = ("step", "total", "preview_png")
@@ -75,20 +101,22 @@ class RawChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("image", "width", "height", "tensor", "total_ms", "image_format")
+    __slots__ = ("image", "width", "height", "tensor", "total_ms", "image_format", "kind")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     width: int
     height: int
     tensor: _tensor_pb2.TensorRef
     total_ms: float
     image_format: ImageFormat
-    def __init__(self, image: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ...) -> None: ...
+    kind: str
+    def __init__(self, image: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
@@ -99,7 +127,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error")
+    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error", "tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STAGE_STARTED_FIELD_NUMBER: _ClassVar[int]
     STAGE_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +135,7 @@ class GenerateEvent(_message.Message):
     RAW_CHUNK_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     stage_started: StageStarted
     stage_finished: StageFinished
@@ -114,7 +143,8 @@ class GenerateEvent(_message.Message):
     raw_chunk: RawChunk
     result: Result
     error: Error
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    tokens: TokenProgress
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., tokens: _Optional[_Union[TokenProgress, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -132,8 +162,24 @@ class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ModelOption(_message.Message):
+    __slots__ = ("name", "type", "default_value", "minimum", "maximum", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    MINIMUM_FIELD_NUMBER: _ClassVar[int]
+    MAXIMUM_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    default_value: str
+    minimum: float
+    maximum: float
+    description: str
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., default_value: _Optional[str] = ..., minimum: _Optional[float] = ..., maximum: _Optional[float] = ..., description: _Optional[str] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "family", "replicas")
+    __slots__ = ("name", "family", "replicas", "inputs", "max_images", "outputs", "options", "roles", "ready", "defaults", "size_multiple")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -141,13 +187,43 @@ class ModelInfo(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RolesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     replicas: _containers.ScalarMap[str, int]
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    max_images: int
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    options: _containers.RepeatedCompositeFieldContainer[ModelOption]
+    roles: _containers.ScalarMap[str, int]
+    ready: bool
+    defaults: _containers.ScalarMap[str, float]
+    size_multiple: int
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., replicas: _Optional[_Mapping[str, int]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., options: _Optional[_Iterable[_Union[ModelOption, _Mapping]]] = ..., roles: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., defaults: _Optional[_Mapping[str, float]] = ..., size_multiple: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -184,8 +184,9 @@ class CoordinatorServicer:
     """
 
     def Generate(self, request, context):
-        """Generates one image; streams progress and ends with Result or Error. Cancelling the
-        call cancels the request in every stage.
+        """Runs the model's plan for one request (its stage calls, e.g. encode -> denoise ->
+        decode); streams progress and ends with Result or Error. Cancelling the call cancels the
+        request in every stage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

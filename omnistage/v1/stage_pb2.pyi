@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerationParams(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length", "options")
+    class OptionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +25,7 @@ class GenerationParams(_message.Message):
     TRUE_CFG_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -27,10 +35,11 @@ class GenerationParams(_message.Message):
     true_cfg_scale: float
     seed: int
     max_sequence_length: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ...) -> None: ...
+    options: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace")
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace", "role")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +51,7 @@ class StageRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_IPC_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: GenerationParams
     input: _tensor_pb2.StageState
@@ -53,7 +63,8 @@ class StageRequest(_message.Message):
     resume: _tensor_pb2.StageState
     consumer_gpu_uuid: str
     consumer_ipc_namespace: int
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_gpu_uuid: _Optional[str] = ..., consumer_ipc_namespace: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_gpu_uuid: _Optional[str] = ..., consumer_ipc_namespace: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class StepProgress(_message.Message):
     __slots__ = ("step", "total", "step_ms", "preview_png", "checkpoint")
@@ -90,7 +101,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes")
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +116,7 @@ class StageInfo(_message.Message):
     ASLEEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -119,7 +131,8 @@ class StageInfo(_message.Message):
     asleep: bool
     weight_bytes: int
     device_memory_bytes: int
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ...) -> None: ...
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)

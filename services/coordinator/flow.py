@@ -1,14 +1,18 @@
-"""One request through the stages: encode -> denoise -> decode, handles only.
+"""One request through its model's plan, handles only.
 
-Reads like the diffusers pipeline's __call__, with each model call replaced by a call to the
-least-loaded replica of its stage. Stage outputs stay in the producing stage's arena; this
-code passes their handles on and releases the leases once the next stage has consumed them,
-and everything of a request that fails or is cancelled.
+A family's plan (omni_common.models.base.Plan) lists the role calls of a request with the
+tensors each consumes and produces; `PlanRun.result` reads as the recipe: produce the result
+step, which first produces the steps it consumes, and so on, each on the least-loaded replica
+that serves its role, steps that do not depend on each other at the same time. Stage outputs
+stay in the producing stage's arena; this code passes their handles on and releases each
+output's leases once every step that reads it has finished, and everything of a request that
+fails or is cancelled.
 
-Replicas may die. An encoder or VAE call is retried on another replica. The DiT sends a
-checkpoint (latents + step index) every few steps; if its replica dies, the request
-resumes on another one from the latest checkpoint (or from the start if that checkpoint is
-gone), and the image equals the uninterrupted one.
+Replicas may die. A call is retried on another replica. A resumable step (denoising) sends a
+checkpoint every few steps and resumes on another replica from the latest one (or from the
+start if that checkpoint is gone); the result equals the uninterrupted one. When a step's
+inputs are gone (their producer died, or a cached output expired), the steps that produced
+them run again: seeded steps give the same tensors, so the image is the same.
 """
 
 from __future__ import annotations
@@ -19,78 +23,36 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import grpc
 import torch
 
 from omni_common.errors import DeadlineExceeded, NotFound, OmniError, Unavailable, error_from_rpc
+from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
 from omni_common.runtime.rpc import CHUNK_BYTES
-from omni_common.transport import Consumer, TensorTransport, release_remote, sweep_stale_segments
+from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
+from services.coordinator.leases import Leases
 from services.coordinator.offload import SwapPolicy
 from services.coordinator.registry import Replica, ReplicaPool
+from services.coordinator.step_cache import CachedOutput, StepCache
 
 log = logging.getLogger("omnistage.coordinator")
 
 Emit = Callable[[cpb.GenerateEvent], Awaitable[None]]
-ATTEMPTS = 3  # replicas tried per stage before the request fails
+ATTEMPTS = 3  # replicas tried per step before the request fails
+RECOMPUTES = 2  # times a step's lost inputs are produced again before the request fails
+TOKEN_PROGRESS_EVERY = 16  # tokens between two TokenProgress events
 
 
 class ReplicaLost(Unavailable):
     """The replica went away mid-call (killed, crashed, draining)."""
 
 
-class Leases:
-    """Leases a request holds, per producer address.
-
-    Releases run in the background: they free memory but nothing waits on them, so they
-    stay off the request's critical path. A producer that is gone cannot release; its
-    segments are swept here (same host) once its leases are no longer needed.
-    """
-
-    _pending: ClassVar[set[asyncio.Task[None]]] = set()
-
-    def __init__(self, transport: TensorTransport) -> None:
-        self.transport = transport
-        self.held: dict[str, list[str]] = {}
-
-    def add(self, producer: str, state: tensor_pb2.StageState) -> None:
-        self.held.setdefault(producer, []).extend(self.transport.lease_ids(state))
-
-    def drop(self, producer: str, state: tensor_pb2.StageState) -> None:
-        """Release the leases of one state (e.g. a superseded checkpoint)."""
-        ids = set(self.transport.lease_ids(state))
-        held = self.held.get(producer, [])
-        self.held[producer] = [i for i in held if i not in ids]
-        self._spawn(producer, sorted(ids))
-
-    def release(self, producer: str) -> None:
-        self._spawn(producer, self.held.pop(producer, []))
-
-    def release_all(self) -> None:
-        for producer in list(self.held):
-            self.release(producer)
-
-    def _spawn(self, producer: str, lease_ids: list[str]) -> None:
-        if lease_ids:
-            task = asyncio.get_running_loop().create_task(self._release(producer, lease_ids))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
-
-    async def _release(self, producer: str, lease_ids: list[str]) -> None:
-        try:
-            await release_remote(producer, lease_ids)
-        except Exception as err:
-            log.warning("could not release %d leases at %s (%s)", len(lease_ids), producer, err)
-            # A dead producer on this host leaves its segments behind: sweep them.
-            sweep_stale_segments(self.transport.shm_dir)
-
-
 @dataclass
 class _Request:
-    """What every stage call of one request shares."""
+    """What every step call of one request shares."""
 
     request_id: str
     params: stage_pb2.GenerationParams
@@ -98,8 +60,9 @@ class _Request:
     deadline: float | None  # time.monotonic()
     emit: Emit
     leases: Leases
-    # The DiT's latest checkpoint and the replica that holds it.
-    checkpoint: tuple[str, tensor_pb2.StageState] | None = None
+    media: dict[str, bytes]  # the request's own inputs by tensor name ("input.image.0")
+    # Per resumable step: its latest checkpoint and the replica that holds it.
+    checkpoints: dict[str, tuple[str, tensor_pb2.StageState]] = field(default_factory=dict)
     failovers: list[str] = field(default_factory=list)
 
     def timeout(self, stage_timeout_s: float) -> float:
@@ -112,6 +75,17 @@ class _Request:
         return min(stage_timeout_s, remaining)
 
 
+@dataclass(eq=False)
+class StepOutput:
+    """A finished step's output handles and where they live."""
+
+    step: PlanStep
+    producer: str  # replica address that holds the memory
+    state: tensor_pb2.StageState
+    cached: CachedOutput | None = None  # owned by the step cache (not released by the request)
+    released: bool = False
+
+
 class RequestFlow:
     """Runs requests over a ReplicaPool; one instance per coordinator."""
 
@@ -122,106 +96,117 @@ class RequestFlow:
         stage_timeout_s: float,
         checkpoint_every: int = 5,
         offload: SwapPolicy | None = None,
+        cache: StepCache | None = None,
     ) -> None:
         self.pool = pool
         self.offload = offload
         self.transport = transport
         self.stage_timeout_s = stage_timeout_s
         self.checkpoint_every = checkpoint_every
+        self.cache = cache or StepCache(transport, max_bytes=0, max_age_s=0.0)
 
     async def run(
         self,
         request_id: str,
         params: stage_pb2.GenerationParams,
         options: cpb.GenerateRequest,
+        plan: Plan,
         deadline: float | None,
         emit: Emit,
+        media: dict[str, bytes] | None = None,
     ) -> None:
-        """Run one validated request; `options` gives the result's format and progress rate,
-        `deadline` (time.monotonic()) the client's deadline, which every stage call carries."""
+        """Run one validated request's plan; `options` gives the result's format and progress
+        rate, `deadline` (time.monotonic()) the client's deadline, which every call carries."""
         started = time.perf_counter()
-        req = _Request(request_id, params, options, deadline, emit, Leases(self.transport))
-        image_output = "rgb8" if options.image_format == cpb.IMAGE_FORMAT_RGB8 else "png"
-        outputs = [image_output, "image"] if options.return_tensor else [image_output]
+        req = _Request(request_id, params, options, deadline, emit, Leases(self.transport), media or {})
+        run = PlanRun(self, req, plan)
         try:
-            embeds, encoder = await self._stage(
-                req, "ar-encoder", tensor_pb2.StageState(), then="dit-denoise"
-            )
-            latents, denoiser = await self._stage(req, "dit-denoise", embeds, near=encoder, then="vae-decode")
-            req.leases.release(encoder.address)
-            decoded, _ = await self._stage(req, "vae-decode", latents, near=denoiser, outputs=outputs)
-            req.leases.release(denoiser.address)
-            await self._send_result(decoded, image_output, options, started, emit)
+            result = await run.result()
+            await self._send_result(result.state, options, started, emit)
         finally:
+            run.close()
             req.leases.release_all()
 
-    async def _stage(
+    def result_outputs(self, options: cpb.GenerateRequest) -> list[str]:
+        """What the result step returns: the image in the client's format (+ the raw tensor)."""
+        image = "rgb8" if options.image_format == cpb.IMAGE_FORMAT_RGB8 else "png"
+        return [image, "image"] if options.return_tensor else [image]
+
+    async def run_step(
         self,
         req: _Request,
-        stage: str,
+        step: PlanStep,
         inputs: tensor_pb2.StageState,
         *,
-        near: Replica | None = None,
-        then: str = "",
-        outputs: list[str] | None = None,
-    ) -> tuple[tensor_pb2.StageState, Replica]:
-        """Run `stage` on its best replica (near the inputs), moving on when one is lost.
+        near: str,
+        then: PlanStep | None,
+        outputs: list[str],
+    ) -> StepOutput:
+        """Run `step` on its best replica (near the inputs' host), moving on when one is lost.
         The output's handles suit `then`'s likely replica (CUDA IPC on its GPU, shm on its
         host, else fetch); without `then`, this process, which has no GPU, consumes it."""
-        near_host = near.info.host_id if near is not None and near.info is not None else ""
         tried: set[str] = set()
+        model = req.params.model
         for _ in range(ATTEMPTS):
-            replica = self.pool.pick(stage, req.params.model, near_host=near_host, avoid=frozenset(tried))
+            replica = self.pool.pick(
+                step.stage, model, role=step.role, near_host=near, avoid=frozenset(tried)
+            )
             consumer = Consumer(self.transport.host_id)
-            if then:
+            if then is not None:
                 assert replica.info is not None
-                info = self.pool.pick(then, req.params.model, near_host=replica.info.host_id).info
+                info = self.pool.pick(then.stage, model, role=then.role, near_host=replica.info.host_id).info
                 if info is not None:
                     consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
             try:
-                return await self._call(req, replica, inputs, consumer, outputs=outputs), replica
+                state = await self._call(req, step, replica, inputs, consumer, outputs)
+                return StepOutput(step, replica.address, state)
             except ReplicaLost as lost:
                 tried.add(replica.address)
                 req.failovers.append(replica.address)
                 log.warning("request %s: %s; moving on", req.request_id, lost.message)
             except NotFound:
-                if req.checkpoint is None or stage != "dit-denoise":
+                if step.name not in req.checkpoints:
                     raise
-                log.warning("request %s: checkpoint gone; restarting denoising", req.request_id)
-                req.checkpoint = None
-        raise Unavailable(f"request {req.request_id}: no {stage} replica could finish it; retry later")
+                log.warning("request %s: %s checkpoint gone; restarting the step", req.request_id, step.name)
+                req.leases.drop(*req.checkpoints.pop(step.name))
+        raise Unavailable(
+            f"request {req.request_id}: no {step.stage} replica could finish {step.name}; retry later"
+        )
 
     async def _call(
         self,
         req: _Request,
+        step: PlanStep,
         replica: Replica,
         inputs: tensor_pb2.StageState,
         consumer: Consumer,
-        *,
-        outputs: list[str] | None = None,
+        outputs: list[str],
     ) -> tensor_pb2.StageState:
         """Run one stage call; returns its output handles (their leases are booked in req.leases)."""
         request = stage_pb2.StageRequest(
             request_id=req.request_id,
             params=req.params,
             input=inputs,
+            role=step.role,
             consumer_host_id=consumer.host_id,
             consumer_gpu_uuid=consumer.gpu_uuid,
             consumer_ipc_namespace=consumer.ipc_namespace,
-            progress_every=req.options.progress_every,
-            preview_every=req.options.preview_every,
-            outputs=outputs or [],
+            progress_every=TOKEN_PROGRESS_EVERY if step.progress == "tokens" else req.options.progress_every,
+            preview_every=req.options.preview_every if step.progress == "steps" else 0,
+            outputs=outputs,
         )
-        if replica.stage == "dit-denoise":
+        if step.resumable:
             # Checkpoints serve failover: without another replica to resume on they only cost.
-            if len(self.pool.serving("dit-denoise", req.params.model)) > 1:
+            if len(self.pool.serving(step.stage, req.params.model, step.role)) > 1:
                 request.checkpoint_every = self.checkpoint_every
-            if req.checkpoint is not None:
-                request.resume.CopyFrom(req.checkpoint[1])
+            if step.name in req.checkpoints:
+                request.resume.CopyFrom(req.checkpoints[step.name][1])
+        own_leases = self._export_media(req, step, request, replica)
         timeout = req.timeout(self.stage_timeout_s)
-        await req.emit(
-            cpb.GenerateEvent(stage_started=cpb.StageStarted(stage=replica.stage, replica=replica.address))
+        started_event = cpb.StageStarted(
+            stage=replica.stage, replica=replica.address, step=step.name, role=step.role
         )
+        await req.emit(cpb.GenerateEvent(stage_started=started_event))
         started = time.perf_counter()
         result: stage_pb2.StageResult | None = None
         replica.in_flight += 1
@@ -229,7 +214,7 @@ class RequestFlow:
             async with self.offload.turn(replica) if self.offload else contextlib.nullcontext():
                 async for event in replica.stub.Run(request, timeout=timeout):
                     if event.HasField("step"):
-                        await self._on_step(req, replica, event.step)
+                        await self._on_step(req, step, replica, event.step)
                     elif event.HasField("result"):
                         result = event.result
                         req.leases.add(replica.address, result.output)
@@ -245,40 +230,67 @@ class RequestFlow:
             raise error_from_rpc(err) from None
         finally:
             replica.in_flight -= 1
+            self.transport.release(own_leases)
         if result is None:
             raise OmniError(f"{replica.stage} at {replica.address} ended without a result")
         finished = cpb.StageFinished(
             stage=replica.stage,
             wall_ms=(time.perf_counter() - started) * 1e3,
             compute_ms=result.compute_ms,
+            step=step.name,
         )
         await req.emit(cpb.GenerateEvent(stage_finished=finished))
         return result.output
 
-    async def _on_step(self, req: _Request, replica: Replica, step: stage_pb2.StepProgress) -> None:
-        if step.HasField("checkpoint"):
-            req.leases.add(replica.address, step.checkpoint)
-            if req.checkpoint is not None:
-                req.leases.drop(*req.checkpoint)
-            req.checkpoint = (replica.address, step.checkpoint)
-        if step.step % max(req.options.progress_every, 1) == 0 or step.step == step.total:
-            event = cpb.DenoiseStep(step=step.step, total=step.total, preview_png=step.preview_png)
-            await req.emit(cpb.GenerateEvent(step=event))
+    def _export_media(
+        self, req: _Request, step: PlanStep, request: stage_pb2.StageRequest, replica: Replica
+    ) -> list[str]:
+        """Put the request inputs `step` consumes into our arena for `replica`; their leases."""
+        names = [name for name in step.consumes if name.startswith(INPUT_PREFIX)]
+        if not names:
+            return []
+        assert replica.info is not None
+        consumer = Consumer(replica.info.host_id)
+        exported = self.transport.export_state(
+            {name: torch.frombuffer(bytearray(req.media[name]), dtype=torch.uint8) for name in names},
+            {},
+            consumer=consumer,
+        )
+        request.input.tensors.extend(exported.tensors)
+        return self.transport.lease_ids(exported)
+
+    async def _on_step(
+        self, req: _Request, step: PlanStep, replica: Replica, progress: stage_pb2.StepProgress
+    ) -> None:
+        if progress.HasField("checkpoint"):
+            req.leases.add(replica.address, progress.checkpoint)
+            if step.name in req.checkpoints:
+                req.leases.drop(*req.checkpoints[step.name])
+            req.checkpoints[step.name] = (replica.address, progress.checkpoint)
+        if step.progress == "tokens":
+            event = cpb.TokenProgress(step=step.name, tokens=progress.step, total=progress.total)
+            await req.emit(cpb.GenerateEvent(tokens=event))
+        elif progress.step % max(req.options.progress_every, 1) == 0 or progress.step == progress.total:
+            denoise = cpb.DenoiseStep(
+                step=progress.step, total=progress.total, preview_png=progress.preview_png
+            )
+            await req.emit(cpb.GenerateEvent(step=denoise))
 
     async def _send_result(
         self,
         decoded: tensor_pb2.StageState,
-        image_output: str,
         options: cpb.GenerateRequest,
         started: float,
         emit: Emit,
     ) -> None:
         tensors, _ = await self.transport.import_state(decoded)
+        image_output = self.result_outputs(options)[0]
         result = cpb.Result(
             image=tensors[image_output].numpy().tobytes(),
             image_format=options.image_format,
             width=int(decoded.meta.get("width", "0")),
             height=int(decoded.meta.get("height", "0")),
+            kind="image",
         )
         if options.return_tensor:
             image = tensors["image"].contiguous()
@@ -296,6 +308,173 @@ class RequestFlow:
             )
         result.total_ms = (time.perf_counter() - started) * 1e3
         await emit(cpb.GenerateEvent(result=result))
+
+
+class PlanRun:
+    """One request's plan in flight: each step's output is produced once, on demand, by a task
+    that first awaits the outputs it consumes (so independent steps run concurrently)."""
+
+    def __init__(self, flow: RequestFlow, req: _Request, plan: Plan) -> None:
+        self.flow = flow
+        self.req = req
+        self.plan = plan
+        self._tasks: dict[str, asyncio.Task[StepOutput]] = {}
+        self._pinned: list[CachedOutput] = []
+        # Steps that read each step's output in this run (decided up front, cache hits
+        # included): when all of them have finished, the output's leases are released.
+        self._readers = self._count_readers()
+
+    async def result(self) -> StepOutput:
+        return await self._output(self.plan.result)
+
+    def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for entry in self._pinned:
+            self.flow.cache.unpin(entry)
+        self._pinned.clear()
+
+    def _count_readers(self) -> dict[str, int]:
+        readers: dict[str, int] = {}
+        needed: set[str] = set()
+        stack = [self.plan.result]
+        while stack:
+            step = stack.pop()
+            if step.name in needed:
+                continue
+            needed.add(step.name)
+            if step.cache_key and self.flow.cache.peek(self._cache_key(step)):
+                continue
+            for producer in self._producers(step):
+                readers[producer.name] = readers.get(producer.name, 0) + 1
+                stack.append(producer)
+        return readers
+
+    def _producers(self, step: PlanStep) -> list[PlanStep]:
+        found: list[PlanStep] = []
+        for name in step.consumes:
+            producer = self.plan.producer(name)
+            if producer is not None and producer not in found:
+                found.append(producer)
+        return found
+
+    def _output(self, step: PlanStep) -> asyncio.Task[StepOutput]:
+        task = self._tasks.get(step.name)
+        if task is None:
+            task = self._tasks[step.name] = asyncio.ensure_future(self._produce(step))
+        return task
+
+    async def _produce(self, step: PlanStep) -> StepOutput:
+        cached = self._from_cache(step)
+        if cached is not None:
+            return cached
+        for attempt in range(RECOMPUTES + 1):
+            outputs = await self._inputs_ready(step)
+            inputs = self._inputs(step, outputs)
+            near = self._near_host(outputs)
+            then = next(iter(self.plan.consumers(step)), None)
+            wanted = self.flow.result_outputs(self.req.options) if step is self.plan.result else []
+            try:
+                output = await self.flow.run_step(
+                    self.req, step, inputs, near=near, then=then, outputs=wanted
+                )
+            except NotFound:
+                lost = [o for o in outputs if self._lost(o)]
+                if not lost or attempt == RECOMPUTES:
+                    raise
+                names = ", ".join(o.step.name for o in lost)
+                log.warning(
+                    "request %s: inputs of %s are gone; producing %s again",
+                    self.req.request_id,
+                    step.name,
+                    names,
+                )
+                for o in lost:
+                    self._forget(o)
+                continue
+            self._store(step, output)
+            for o in outputs:
+                self._read_done(o)
+            return output
+        raise AssertionError("unreachable")
+
+    async def _inputs_ready(self, step: PlanStep) -> list[StepOutput]:
+        """The outputs `step` reads, produced again where one was already released (a step
+        that runs again after its inputs' readers had finished)."""
+        while True:
+            outputs = await asyncio.gather(*(self._output(p) for p in self._producers(step)))
+            released = [o for o in outputs if o.released]
+            if not released:
+                return list(outputs)
+            for output in released:
+                self._forget(output)
+
+    def _cache_key(self, step: PlanStep) -> str:
+        """The family's content key, within the model (other weights give other outputs)."""
+        return f"{self.req.params.model}|{step.name}|{step.cache_key}"
+
+    def _from_cache(self, step: PlanStep) -> StepOutput | None:
+        if not step.cache_key:
+            return None
+        entry = self.flow.cache.get(self._cache_key(step), step.name)
+        if entry is None:
+            return None
+        self._pinned.append(entry)
+        return StepOutput(step, entry.producer, entry.state, cached=entry)
+
+    def _store(self, step: PlanStep, output: StepOutput) -> None:
+        """A cacheable step's fresh output goes to the cache, which takes over its leases."""
+        if not step.cache_key:
+            return
+        entry = self.flow.cache.put(self._cache_key(step), step.name, output.producer, output.state)
+        if entry is not None:
+            self.req.leases.take(output.producer, output.state)
+            self._pinned.append(entry)
+            output.cached = entry
+
+    def _lost(self, output: StepOutput) -> bool:
+        """Whether an input may be gone: a cached one (its leases may have expired), one we
+        released, or one whose producer is no longer alive."""
+        return output.cached is not None or output.released or not self.flow.pool.is_alive(output.producer)
+
+    def _forget(self, output: StepOutput) -> None:
+        """Drop a lost output so the next demand produces it again."""
+        if output.cached is not None:
+            self.flow.cache.invalidate(output.cached)
+        elif not output.released:
+            self.req.leases.drop(output.producer, output.state)
+        self._tasks.pop(output.step.name, None)
+        self._readers.pop(output.step.name, None)  # released when the request ends
+
+    def _read_done(self, output: StepOutput) -> None:
+        """One reader of `output` finished; the last one releases its leases."""
+        name = output.step.name
+        if name not in self._readers:
+            return
+        self._readers[name] -= 1
+        if self._readers[name] == 0 and output.cached is None and not output.released:
+            output.released = True
+            self.req.leases.drop(output.producer, output.state)
+
+    def _inputs(self, step: PlanStep, outputs: list[StepOutput]) -> tensor_pb2.StageState:
+        """The handles of the tensors `step` consumes, gathered from their producers' outputs
+        (metadata merged in plan order); request inputs are added per call."""
+        state = tensor_pb2.StageState()
+        wanted = set(step.consumes)
+        for output in outputs:
+            state.meta.update(output.state.meta)
+            state.tensors.extend(ref for ref in output.state.tensors if ref.name in wanted)
+        return state
+
+    def _near_host(self, outputs: list[StepOutput]) -> str:
+        """The host of the largest input: where the next call should run if it can."""
+        best, host = -1, ""
+        for output in outputs:
+            size = sum(ref.nbytes for ref in output.state.tensors)
+            replica = self.flow.pool.by_address(output.producer)
+            if size > best and replica is not None and replica.info is not None:
+                best, host = size, replica.info.host_id
+        return host
 
 
 def _connection_lost(err: grpc.RpcError) -> bool:

@@ -3,8 +3,9 @@
 Replicas come from two places: static addresses in the configuration (asked for their
 StageInfo every couple of seconds) and self-registration (each heartbeat is a lease; a
 replica that stops heartbeating is dropped). Routing takes the least-loaded healthy
-replica of a stage by the stage's own signal plus the calls this coordinator has in
-flight there, preferring one on the host that holds the request's data.
+replica of a stage that serves the model and the role a plan step asks for, by the stage's
+own signal plus the calls this coordinator has in flight there, preferring one on the host
+that holds the request's data.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from omni_common.errors import InvalidArgument, NotFound, Unavailable
+from omni_common.models.base import ModelFamily, roles_of
+from omni_common.models.registry import find_family
 from omni_common.runtime.rpc import aio_channel
 from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
@@ -41,10 +44,43 @@ class Replica:
     def healthy(self) -> bool:
         return self.info is not None and self.failures == 0
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles it serves; a replica that predates roles serves all of its stage's."""
+        if self.info is None:
+            return ()
+        if self.info.roles:
+            return tuple(self.info.roles)
+        family = find_family(self.info.family)
+        return roles_of(family, self.stage) if family is not None else ()
+
+    def serves(self, role: str) -> bool:
+        """Whether it serves `role` ("" = any); one that names no roles and no family we know
+        predates roles: it serves the one its stage had."""
+        if not role or (
+            self.info is not None and not self.info.roles and find_family(self.info.family) is None
+        ):
+            return True
+        return role in self.roles
+
     def score(self, near_host: str) -> tuple[int, int, int]:
         """Lower is better: same host first, then fewest calls in flight, then the stage's load."""
         assert self.info is not None
         return (0 if self.info.host_id == near_host else 1, self.in_flight, self.info.load)
+
+
+@dataclass
+class ModelView:
+    """What the pool knows of one served model."""
+
+    family: str
+    stages: dict[str, int] = field(default_factory=dict)  # healthy replicas per stage
+    roles: dict[str, int] = field(default_factory=dict)  # healthy replicas per role
+
+    def ready(self) -> bool:
+        """Every role of the model's family has a healthy replica."""
+        family = find_family(self.family)
+        return family is not None and all(self.roles.get(role.name) for role in family.roles)
 
 
 @dataclass
@@ -130,15 +166,37 @@ class ReplicaPool:
     def mark_failed(self, replica: Replica) -> None:
         replica.failures += 1
 
-    def models(self) -> dict[str, tuple[str, dict[str, int]]]:
-        """Model name -> (family, healthy replicas per stage)."""
-        found: dict[str, tuple[str, dict[str, int]]] = {}
+    def models(self) -> dict[str, ModelView]:
+        """Model name -> its family and healthy replicas per stage and per role."""
+        found: dict[str, ModelView] = {}
         for stage, replicas in self.replicas.items():
             for replica in replicas:
                 if replica.healthy and replica.info is not None:
-                    _, counts = found.setdefault(replica.info.model, (replica.info.family, {}))
-                    counts[stage] = counts.get(stage, 0) + 1
+                    view = found.setdefault(replica.info.model, ModelView(replica.info.family))
+                    view.stages[stage] = view.stages.get(stage, 0) + 1
+                    for role in replica.roles:
+                        view.roles[role] = view.roles.get(role, 0) + 1
         return found
+
+    def family_of(self, model: str) -> ModelFamily:
+        """The family a served model belongs to (as its replicas say)."""
+        view = self.models().get(model)
+        if view is None:
+            raise NotFound(f"unknown model {model[:100]!r}")
+        family = find_family(view.family)
+        if family is None:
+            raise Unavailable(
+                f"model {model!r} is of family {view.family!r}, which this coordinator does not know"
+            )
+        return family
+
+    def by_address(self, address: str) -> Replica | None:
+        return next((r for rs in self.replicas.values() for r in rs if r.address == address), None)
+
+    def is_alive(self, address: str) -> bool:
+        """Whether a replica at `address` is registered and healthy (its leases can be read)."""
+        replica = self.by_address(address)
+        return replica is not None and replica.healthy
 
     def healthy_counts(self) -> dict[str, int]:
         """Healthy replicas per stage, whatever model they serve."""
@@ -157,18 +215,29 @@ class ReplicaPool:
             raise InvalidArgument(f"several models are served ({', '.join(served)}); name one")
         raise NotFound(f"unknown model {name[:100]!r}; served: {', '.join(served)}")
 
-    def serving(self, stage: str, model: str) -> list[Replica]:
-        """The healthy replicas of `stage` that serve `model`."""
+    def serving(self, stage: str, model: str, role: str = "") -> list[Replica]:
+        """The healthy replicas of `stage` that serve `model` (and `role`, when given)."""
         replicas = self.replicas.get(stage, [])
-        return [r for r in replicas if r.healthy and r.info is not None and r.info.model == model]
+        return [
+            r
+            for r in replicas
+            if r.healthy and r.info is not None and r.info.model == model and r.serves(role)
+        ]
 
     def pick(
-        self, stage: str, model: str, *, near_host: str = "", avoid: frozenset[str] = frozenset()
+        self,
+        stage: str,
+        model: str,
+        *,
+        role: str = "",
+        near_host: str = "",
+        avoid: frozenset[str] = frozenset(),
     ) -> Replica:
-        """The least-loaded healthy replica of `stage` serving `model`, not in `avoid`."""
-        candidates = [r for r in self.serving(stage, model) if r.address not in avoid]
+        """The least-loaded healthy replica of `stage` serving `model` and `role`, not in `avoid`."""
+        candidates = [r for r in self.serving(stage, model, role) if r.address not in avoid]
         if not candidates:
-            raise Unavailable(f"no healthy {stage} replica serves {model!r}; retry later")
+            what = f"{stage} replica ({role})" if role else f"{stage} replica"
+            raise Unavailable(f"no healthy {what} serves {model!r}; retry later")
         return min(candidates, key=lambda r: r.score(near_host))
 
 

@@ -1,8 +1,9 @@
 """Coordinator server: where a client's request enters and where its image leaves.
 
-Generate validates the request, runs a RequestFlow in its own task and streams the
-task's events; Cancel (or the client going away) cancels that task, which releases every
-lease of the request.
+Generate validates the request (omnistage's ranges, then the model family's own rules and
+input images), asks the family for the request's plan, runs it as a RequestFlow in its own
+task and streams the task's events; Cancel (or the client going away) cancels that task,
+which releases every lease of the request.
 """
 
 from __future__ import annotations
@@ -12,37 +13,56 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
-from omni_common.errors import AlreadyExists, Cancelled, OmniError, ResourceExhausted, abort
+from omni_common.errors import AlreadyExists, Cancelled, InvalidArgument, OmniError, ResourceExhausted, abort
+from omni_common.imaging import inspect_image
+from omni_common.models.base import Plan, input_image_name
+from omni_common.models.registry import find_family
 from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.metrics import CoordinatorMetrics
-from omni_common.runtime.serve import run, serve
-from omni_common.transport import TensorTransport
-from omni_common.validation import check_request_id, to_request, with_defaults
+from omni_common.runtime.serve import advertised_address, run, serve
+from omni_common.transport import TensorTransport, add_tensor_store
+from omni_common.validation import check_options, check_request_id, defaults_for, to_request, with_defaults
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.flow import RequestFlow
 from services.coordinator.offload import SwapPolicy
-from services.coordinator.registry import RegistryServicer, ReplicaPool
+from services.coordinator.registry import ModelView, RegistryServicer, ReplicaPool
+from services.coordinator.step_cache import StepCache
 
 log = logging.getLogger("omnistage.coordinator")
 
 _DONE = None
+MAX_MEDIA_BYTES = 48 << 20  # all input media of one request (it must fit a 64 MiB message)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A validated request: its id, filled-in parameters, plan and input media by tensor name."""
+
+    request_id: str
+    params: stage_pb2.GenerationParams
+    plan: Plan
+    media: dict[str, bytes]
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, pool: ReplicaPool, transport: TensorTransport, config: CoordinatorConfig) -> None:
         self.pool = pool
         offload = SwapPolicy(pool, config.device_memory_budget) if config.offload == "swap" else None
-        self.flow = RequestFlow(pool, transport, config.stage_timeout_s, offload=offload)
+        self.metrics = CoordinatorMetrics(lambda: len(self.in_flight), pool.healthy_counts)
+        cache = StepCache(
+            transport, config.step_cache_bytes, config.step_cache_ttl_s, registry=self.metrics.registry
+        )
+        self.flow = RequestFlow(pool, transport, config.stage_timeout_s, offload=offload, cache=cache)
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight
         self.in_flight: dict[str, asyncio.Task[None]] = {}
-        self.metrics = CoordinatorMetrics(lambda: len(self.in_flight), pool.healthy_counts)
 
-    def _accept(self, request: cpb.GenerateRequest) -> tuple[str, stage_pb2.GenerationParams]:
+    def _accept(self, request: cpb.GenerateRequest) -> Accepted:
         if len(self.in_flight) >= self.max_in_flight:
             raise ResourceExhausted(
                 f"the coordinator has {len(self.in_flight)} requests in flight, its limit; "
@@ -53,34 +73,63 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         check_request_id(request_id)
         if request_id in self.in_flight:
             raise AlreadyExists(f"request {request_id} is already in flight; use another id")
-        params = with_defaults(request.params)
-        to_request(params, max_pixels=self.max_pixels)
-        params.model = self.pool.resolve_model(params.model)
-        return request_id, params
+        model = self.pool.resolve_model(request.params.model)
+        family = self.pool.family_of(model)
+        params = with_defaults(request.params, defaults_for(family.card))
+        params.model = model
+        media = self._media(request)
+        images = tuple(
+            inspect_image(data, index=i, max_pixels=self.max_pixels) for i, data in enumerate(media.values())
+        )
+        if len(images) > family.card.max_images:
+            allowed = f"at most {family.card.max_images}" if family.card.max_images else "no"
+            raise InvalidArgument(f"model {model!r} takes {allowed} input images; got {len(images)}")
+        gen = to_request(params, max_pixels=self.max_pixels, images=images)
+        check_options(dict(gen.options), family.card.options, family.name)
+        family.validate(gen)
+        return Accepted(request_id, params, family.plan(gen), media)
+
+    @staticmethod
+    def _media(request: cpb.GenerateRequest) -> dict[str, bytes]:
+        """The request's input images by the tensor name plan steps consume them under."""
+        media: dict[str, bytes] = {}
+        for i, item in enumerate(request.inputs):
+            if item.WhichOneof("media") != "image":
+                raise InvalidArgument(f"input {i} carries no image (the only input media yet)")
+            media[input_image_name(len(media))] = item.image
+        total = sum(len(data) for data in media.values())
+        if total > MAX_MEDIA_BYTES:
+            raise InvalidArgument(f"input media are {total} bytes in all; the limit is {MAX_MEDIA_BYTES}")
+        return media
 
     async def Generate(
         self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[cpb.GenerateEvent]:
         try:
-            request_id, params = self._accept(request)
+            accepted = self._accept(request)
         except OmniError as err:
             self.metrics.requests.finished(err.code)
             await abort(context, err)
             return
+        request_id, params = accepted.request_id, accepted.params
         events: asyncio.Queue[cpb.GenerateEvent | None] = asyncio.Queue()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        task = asyncio.create_task(self.flow.run(request_id, params, request, deadline, events.put))
+        task = asyncio.create_task(
+            self.flow.run(request_id, params, request, accepted.plan, deadline, events.put, accepted.media)
+        )
         # A done callback, not a `finally` in the task: a task cancelled before it first runs
         # (a Cancel racing the accept) never executes its body, and the stream would hang.
         task.add_done_callback(lambda _: events.put_nowait(_DONE))
         self.in_flight[request_id] = task
         log.info(
-            "request %s accepted: %dx%d, %d steps",
+            "request %s accepted: %s, %dx%d, %d steps, plan %s",
             request_id,
+            params.model,
             params.width,
             params.height,
             params.num_inference_steps,
+            " -> ".join(step.name for step in accepted.plan.steps),
         )
         code = grpc.StatusCode.CANCELLED  # unless the flow ends: the client went away
         try:
@@ -114,11 +163,36 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: cpb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> cpb.ListModelsResponse:
         return cpb.ListModelsResponse(
-            models=[
-                cpb.ModelInfo(name=name, family=family, replicas=counts)
-                for name, (family, counts) in sorted(self.pool.models().items())
-            ]
+            models=[model_info(name, view) for name, view in sorted(self.pool.models().items())]
         )
+
+
+def model_info(name: str, view: ModelView) -> cpb.ModelInfo:
+    """What clients learn of a served model: its replicas, and its family's card."""
+    info = cpb.ModelInfo(
+        name=name, family=view.family, replicas=view.stages, roles=view.roles, ready=view.ready()
+    )
+    family = find_family(view.family)
+    if family is None:
+        return info
+    card = family.card
+    info.inputs.extend(card.inputs)
+    info.max_images = card.max_images
+    info.outputs.extend(card.outputs)
+    info.defaults.update(defaults_for(card))
+    info.size_multiple = card.size_multiple
+    info.options.extend(
+        cpb.ModelOption(
+            name=spec.name,
+            type=spec.type,
+            default_value=spec.default,
+            minimum=spec.minimum,
+            maximum=spec.maximum,
+            description=spec.description,
+        )
+        for spec in card.options
+    )
+    return info
 
 
 async def _outcome(task: asyncio.Task[None], request_id: str) -> OmniError | None:
@@ -148,15 +222,18 @@ async def serve_coordinator(
     refresher: list[asyncio.Task[None]] = []
 
     async def setup(server: grpc.aio.Server, address: str) -> None:
-        transport.address = address
+        transport.address = advertised_address(address, config.advertise_host)
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
         coordinator_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(pool), server)
+        # Request input media travel to the stages from our arena, fetched by remote ones.
+        add_tensor_store(server, transport)
         await pool.refresh()
         refresher.append(asyncio.create_task(pool.keep_fresh()))
 
     def cleanup() -> None:
         for task in refresher:
             task.cancel()
+        servicer.flow.cache.clear()
         transport.close()
 
     await serve(

@@ -1,4 +1,6 @@
-"""dit-denoise worker: embeddings -> latents, with continuous step-level batching.
+"""dit-denoise worker: the step-wise roles of a family's DiT (denoising, continuously batched
+between steps) and its one-shot roles (e.g. GLM-Image's condition KV), with the DiT's
+execution flags (CUDA graphs, torch.compile, attention backend).
 
 Requests join and leave the running batch between any two steps (StepScheduler), so a
 cancelled or expired request stops at the next step boundary.
@@ -6,33 +8,15 @@ cancelled or expired request stops at the next step boundary.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from dataclasses import replace
 
-from omni_common.errors import InvalidArgument
-from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
-from omni_common.runtime.config import StageConfig
-from omni_common.runtime.worker import Progress, StageCall, Worker
-from services.dit_denoise.scheduler import StepScheduler
+from omni_common.models.base import DenoiserOptions, StageContext
+from omni_common.runtime.worker import Worker
 
 
 class DenoiseWorker(Worker):
-    def __init__(self, config: StageConfig) -> None:
-        super().__init__(config)
-        self.runner = self.family.load_denoiser(
-            config.model_dir, self.device, self.dtype, self.denoiser_options()
-        )
-        self.manage_memory(
-            self.runner,
-            reload=lambda: self.family.load_denoiser(config.model_dir, self.device, self.dtype),
-            forget_weight_addresses=self.runner.forget_cuda_graphs,
-        )
-        self.scheduler = StepScheduler(
-            self.runner,
-            self.compute,
-            max_batch=config.max_batch,
-            max_tokens=config.max_tokens,
-            max_queue=config.max_queue,
-        )
+    def stage_context(self) -> StageContext:
+        return replace(super().stage_context(), denoiser=self.denoiser_options())
 
     def denoiser_options(self) -> DenoiserOptions:
         """The execution flags. `auto` turns CUDA graphs and torch.compile on for a CUDA device
@@ -53,20 +37,3 @@ class DenoiseWorker(Worker):
         if value == "on" and not possible:
             raise SystemExit(f"dit-denoise: {name} on needs a CUDA device and no layerwise offload")
         return value == "on" or (value == "auto" and possible)
-
-    def load(self) -> int:
-        """Remaining denoise steps times image tokens, over every request here."""
-        return self.scheduler.queued_work()
-
-    def validate(self, request: GenerationRequest) -> None:
-        self.family.validate(request)
-
-    async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
-        if "prompt_embeds" not in call.inputs.tensors:
-            raise InvalidArgument("dit-denoise needs a 'prompt_embeds' input tensor")
-        async for event in self.scheduler.run(call):
-            yield event
-
-    def close(self) -> None:
-        self.scheduler.close()
-        super().close()

@@ -1,85 +1,52 @@
-"""vae-decode worker: latents -> image, as PNG bytes, raw RGB8 pixels and/or the float tensor.
+"""vae-decode worker: a family's VAE roles (decode latents to images, encode condition images
+to latents) and its vocoder roles later; an image output is returned as PNG bytes, raw RGB8
+pixels and/or the float tensor.
 
-Only the outputs the caller asks for are made: encoding a PNG costs more than moving the
+Only the encodings the caller asks for are made: encoding a PNG costs more than moving the
 raw pixels on one host.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import torch
 
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import to_png, to_rgb8
-from omni_common.models.base import GenerationRequest, StageState
-from omni_common.runtime.batching import MicroBatcher
-from omni_common.runtime.config import StageConfig
-from omni_common.runtime.worker import Progress, StageCall, Worker
+from omni_common.models.base import StageState
+from omni_common.runtime.calls import Progress, StageCall
+from omni_common.runtime.roles import RoleLimits
+from omni_common.runtime.worker import Worker
 
-OUTPUTS = frozenset({"png", "rgb8", "image"})
-DEFAULT_OUTPUTS = frozenset({"png"})
+IMAGE_OUTPUTS = frozenset({"png", "rgb8", "image"})
+DEFAULT_IMAGE_OUTPUTS = frozenset({"png"})
 
 
 class DecodeWorker(Worker):
-    def __init__(self, config: StageConfig) -> None:
-        super().__init__(config)
-        self.runner = self.family.load_decoder(config.model_dir, self.device, self.dtype)
-        self.manage_memory(
-            self.runner, reload=lambda: self.family.load_decoder(config.model_dir, self.device, self.dtype)
-        )
-        self.pending_pixels = 0
-        self.batcher: MicroBatcher[tuple[StageState, frozenset[str]], StageState] = MicroBatcher(
-            self._decode,
-            name=self.stage,
-            window_s=config.batch_window_ms / 1e3,
-            max_batch=config.max_batch,
-            max_queue=config.max_queue,
-            cost=_pixels,
-            max_cost=config.max_batch_pixels,
-        )
-
-    def validate(self, request: GenerationRequest) -> None:
-        self.family.validate(request)
-
-    async def _decode(self, items: list[tuple[StageState, frozenset[str]]]) -> list[StageState]:
-        images = await self.compute(self.runner.decode, [state for state, _ in items])
-        return [
-            await self.compute(_outputs, image.cpu(), wanted)
-            for image, (_, wanted) in zip(images, items, strict=True)
-        ]
+    def role_limits(self) -> RoleLimits:
+        return replace(super().role_limits(), max_batch_cost=self.config.max_batch_pixels)
 
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
-        if "latents" not in call.inputs.tensors:
-            raise InvalidArgument("vae-decode needs a 'latents' input tensor")
-        unknown = call.outputs - OUTPUTS
-        if unknown:
-            raise InvalidArgument(
-                f"vae-decode has no output {sorted(unknown)[0][:50]!r}; choose from {sorted(OUTPUTS)}"
-            )
-        item = (call.inputs, call.outputs or DEFAULT_OUTPUTS)
-        pixels = call.request.width * call.request.height
-        self.pending_pixels += pixels
-        try:
-            yield await self.batcher.submit(item, deadline=call.deadline, label=call.request_id)
-        finally:
-            self.pending_pixels -= pixels
-
-    def load(self) -> int:
-        return self.pending_pixels
-
-    def close(self) -> None:
-        self.batcher.close()
-        super().close()
+        async for item in super().run(call):
+            if isinstance(item, StageState) and "image" in item.tensors:
+                item = await self.compute(_encoded, item, _image_outputs(call.outputs))
+            yield item
 
 
-def _pixels(item: tuple[StageState, frozenset[str]]) -> int:
-    meta = item[0].meta
-    return int(meta.get("height", "0")) * int(meta.get("width", "0"))
+def _image_outputs(wanted: frozenset[str]) -> frozenset[str]:
+    unknown = wanted - IMAGE_OUTPUTS
+    if unknown:
+        raise InvalidArgument(
+            f"vae-decode has no output {sorted(unknown)[0][:50]!r}; choose from {sorted(IMAGE_OUTPUTS)}"
+        )
+    return wanted or DEFAULT_IMAGE_OUTPUTS
 
 
-def _outputs(image: torch.Tensor, wanted: frozenset[str]) -> StageState:
-    """The requested encodings of one float [3, H, W] image."""
+def _encoded(state: StageState, wanted: frozenset[str]) -> StageState:
+    """The requested encodings of a state's float [3, H, W] image."""
+    image = state.tensors["image"].cpu()
     tensors: dict[str, torch.Tensor] = {}
     if "image" in wanted:
         tensors["image"] = image
@@ -89,4 +56,5 @@ def _outputs(image: torch.Tensor, wanted: frozenset[str]) -> StageState:
             tensors["rgb8"] = torch.from_numpy(pixels)
         if "png" in wanted:
             tensors["png"] = torch.frombuffer(bytearray(to_png(pixels)), dtype=torch.uint8)
-    return StageState(tensors, {"height": str(image.shape[1]), "width": str(image.shape[2])})
+    meta = {**state.meta, "height": str(image.shape[1]), "width": str(image.shape[2])}
+    return StageState(tensors, meta)

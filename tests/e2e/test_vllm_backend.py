@@ -17,7 +17,7 @@ import pytest
 from omni_common.client import Client
 from omni_common.cluster import LOOPBACK, LocalCluster, free_port, loopback_plan
 from omni_common.health import check_health
-from services.ar_encoder.vllm_backend import vllm_available
+from omni_common.models.qwenimage.vllm_encoder import vllm_available
 
 pytestmark = [
     pytest.mark.slow,

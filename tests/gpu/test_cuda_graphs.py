@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
-from omni_common.models.qwenimage import QwenImageFamily
-from omni_common.models.qwenimage.denoise import transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.runtime.memory import WeightSleeper, discover_modules
 
@@ -30,7 +30,7 @@ ATOL = 1e-5
 
 @pytest.fixture
 def denoiser(tiny_model: Path):
-    return QwenImageFamily().load_denoiser(
+    return QwenImageDenoiser.load(
         tiny_model, DEVICE, torch.float32, DenoiserOptions(cuda_graphs=True)
     )
 
@@ -85,16 +85,15 @@ def test_graphs_are_captured_again_after_the_weights_moved(denoiser) -> None:
 
 def test_sizes_asked_for_are_captured_at_load(tiny_model: Path) -> None:
     options = DenoiserOptions(cuda_graphs=True, capture_sizes=((64, 64),), max_batch=2)
-    denoiser = QwenImageFamily().load_denoiser(tiny_model, DEVICE, torch.float32, options)
+    denoiser = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
     assert len(denoiser.graphed.cache) == 4  # batches 1 and 2, prompts of up to 32 and 64 tokens
     graphed(denoiser, *forward_inputs(denoiser, 2, 0))
     assert len(denoiser.graphed.cache) == 4  # served by a graph captured ahead
 
 
 def test_a_whole_denoise_with_graphs_matches_eager(tiny_model: Path, denoiser) -> None:
-    family = QwenImageFamily()
-    encoder = family.load_encoder(tiny_model, DEVICE, torch.float32)
-    plain = family.load_denoiser(tiny_model, DEVICE, torch.float32)
+    encoder = QwenImageEncoder.load(tiny_model, DEVICE, torch.float32)
+    plain = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32)
     requests = [
         GenerationRequest(prompt=p, width=64, height=64, num_inference_steps=6, seed=i, true_cfg_scale=1.0)
         for i, p in enumerate(["a cat", "a red cat sitting on a blue mat"])
@@ -115,7 +114,7 @@ def test_a_whole_denoise_with_graphs_matches_eager(tiny_model: Path, denoiser) -
 def test_compiled_blocks_replayed_as_graphs_match_eager(tiny_model: Path) -> None:
     """The GPU default (--compile auto, --cuda-graphs auto): compiled blocks inside a graph."""
     options = DenoiserOptions(cuda_graphs=True, compile=True)
-    compiled = QwenImageFamily().load_denoiser(tiny_model, DEVICE, torch.float32, options)
+    compiled = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
     for rows in (1, 3):
         args = forward_inputs(compiled, rows, rows)
         torch.testing.assert_close(graphed(compiled, *args), eager(compiled, *args), atol=1e-4, rtol=0)

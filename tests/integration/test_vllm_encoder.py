@@ -12,9 +12,9 @@ import torch
 
 from omni_common.models.base import GenerationRequest
 from omni_common.models.qwenimage.encode import QwenImageEncoder
-from services.ar_encoder.cache import EmbeddingCache
-from services.ar_encoder.runner import PromptEncoder, VllmBackend
-from services.ar_encoder.vllm_backend import vllm_available
+from omni_common.models.qwenimage.prompt_cache import EmbeddingCache
+from omni_common.models.qwenimage.prompt_encoder import PromptEncoder, VllmBackend
+from omni_common.models.qwenimage.vllm_encoder import vllm_available
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,7 +31,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_vllm_embeddings_equal_torch_backend(wide_model: Path) -> None:
-    from services.ar_encoder.vllm_backend import VllmTextEncoder
+    from omni_common.models.qwenimage.vllm_encoder import VllmTextEncoder
 
     torch_encoder = QwenImageEncoder.load(wide_model, torch.device("cpu"), torch.float32)
     requests = [

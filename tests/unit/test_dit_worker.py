@@ -19,7 +19,7 @@ def test_auto_leaves_graphs_and_compilation_off_on_the_cpu(tiny_model: Path) -> 
     try:
         options = worker.denoiser_options()
         assert not options.cuda_graphs and not options.compile
-        assert worker.runner.graphed is None  # type: ignore[attr-defined]
+        assert worker.model.graphed is None  # type: ignore[attr-defined]
     finally:
         worker.close()
 

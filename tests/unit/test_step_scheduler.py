@@ -18,25 +18,25 @@ import pytest
 import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
-from omni_common.models.base import DenoiserRunner, DenoiseState, GenerationRequest, StageState
-from omni_common.models.registry import get_family
-from omni_common.runtime.worker import StageCall
-from services.dit_denoise.scheduler import StepScheduler
+from omni_common.models.base import GenerationRequest, StageState, StepRunner, StepState
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.encode import QwenImageEncoder
+from omni_common.runtime.calls import StageCall
+from omni_common.runtime.step_scheduler import StepScheduler
 
 CPU = torch.device("cpu")
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_model: Path) -> tuple[Any, DenoiserRunner]:
-    family = get_family("qwenimage")
+def runners(tiny_model: Path) -> tuple[Any, StepRunner]:
     return (
-        family.load_encoder(tiny_model, CPU, torch.float32),
-        family.load_denoiser(tiny_model, CPU, torch.float32),
+        QwenImageEncoder.load(tiny_model, CPU, torch.float32),
+        QwenImageDenoiser.load(tiny_model, CPU, torch.float32),
     )
 
 
-def call(runners: tuple[Any, DenoiserRunner], prompt: str, **fields: Any) -> StageCall:
+def call(runners: tuple[Any, StepRunner], prompt: str, **fields: Any) -> StageCall:
     request = GenerationRequest(
         **{"prompt": prompt, "width": 64, "height": 64, "num_inference_steps": 4, **fields}
     )
@@ -44,7 +44,7 @@ def call(runners: tuple[Any, DenoiserRunner], prompt: str, **fields: Any) -> Sta
     return StageCall(request_id=prompt.replace(" ", "-")[:40], request=request, inputs=inputs)
 
 
-def alone(denoiser: DenoiserRunner, c: StageCall) -> torch.Tensor:
+def alone(denoiser: StepRunner, c: StageCall) -> torch.Tensor:
     state = denoiser.prepare(c.request, c.inputs)
     while not denoiser.is_done(state):
         denoiser.step([state])
@@ -157,13 +157,13 @@ class Poisoned:
     """The real runner, except that steps fail for prompts saying "raise" and turn the
     latents of prompts saying "nan" into NaN."""
 
-    def __init__(self, runner: DenoiserRunner) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         self.runner = runner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
-    def step(self, states: list[DenoiseState]) -> None:
+    def step(self, states: list[StepState]) -> None:
         if any("raise" in s.request.prompt for s in states):
             raise RuntimeError("injected fault")
         self.runner.step(states)

@@ -1,14 +1,8 @@
-"""Qwen-Image (diffusers QwenImagePipeline) split into encode / denoise / decode runners."""
+"""Qwen-Image (diffusers QwenImagePipeline) split into encode / denoise / decode runners.
 
-from omni_common.models.qwenimage.decode import QwenImageDecoder
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, QwenImageDenoiseState
-from omni_common.models.qwenimage.encode import QwenImageEncoder
+Only the family (light) is imported here; the runners live in encode.py, denoise.py,
+decode.py and prompt_encoder.py and are imported by the stages that load them."""
+
 from omni_common.models.qwenimage.family import QwenImageFamily
 
-__all__ = [
-    "QwenImageDecoder",
-    "QwenImageDenoiseState",
-    "QwenImageDenoiser",
-    "QwenImageEncoder",
-    "QwenImageFamily",
-]
+__all__ = ["QwenImageFamily"]

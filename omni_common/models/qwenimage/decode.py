@@ -11,12 +11,13 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKL
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import StageState
+from omni_common.models.base import RoleCall, StageState
 from omni_common.models.weights import load_component
 
 
 class QwenImageDecoder:
-    """AutoencoderKLQwenImage; one image per state, float32 [3, H, W] in [0, 1]."""
+    """AutoencoderKLQwenImage; one image per state, float32 [3, H, W] in [0, 1]. The
+    vae-decode stage model, and its "vae-decode" role (a BatchRunner)."""
 
     def __init__(self, vae: AutoencoderKLQwenImage, device: torch.device) -> None:
         self.vae = vae
@@ -24,6 +25,19 @@ class QwenImageDecoder:
         self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
         # Latents are packed in 2x2 patches, so sizes are multiples of twice the VAE factor.
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        self.runners = {"vae-decode": self}
+
+    def run_batch(self, calls: Sequence[RoleCall]) -> list[StageState]:
+        """Per call {"image": float32 [3, H, W]} with meta height/width."""
+        images = self.decode([call.inputs for call in calls])
+        return [
+            StageState({"image": image}, {"height": str(image.shape[1]), "width": str(image.shape[2])})
+            for image in images
+        ]
+
+    def cost(self, call: RoleCall) -> int:
+        """Pixels: the batch budget (--max-batch-pixels) keeps activations in the caches."""
+        return call.request.width * call.request.height
 
     @classmethod
     def load(cls, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:

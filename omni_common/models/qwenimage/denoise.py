@@ -28,7 +28,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
-from omni_common.models.base import DenoiserOptions, DenoiseState, GenerationRequest, StageState
+from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
 from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
 from omni_common.models.weights import load_component
 from omni_common.runtime.cuda_graphs import Inputs
@@ -49,7 +49,7 @@ def vae_scale_factor_for(model_dir: Path) -> int:
 
 
 @dataclass(kw_only=True)
-class QwenImageDenoiseState(DenoiseState):
+class QwenImageDenoiseState(StepState):
     """One request in flight: packed latents [1, seq, C*4] and its own scheduler."""
 
     latents: torch.Tensor
@@ -63,7 +63,8 @@ class QwenImageDenoiseState(DenoiseState):
 
 
 class QwenImageDenoiser:
-    """QwenImageTransformer2DModel with flow-matching Euler and dynamic shift."""
+    """QwenImageTransformer2DModel with flow-matching Euler and dynamic shift: the dit-denoise
+    stage model, and its "denoise" role (a StepRunner)."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class QwenImageDenoiser:
         self.dtype = dtype
         self.vae_scale_factor = vae_scale_factor
         self.graphed: GraphedTransformer | None = None
+        self.runners = {"denoise": self}
 
     @classmethod
     def load(
@@ -172,11 +174,19 @@ class QwenImageDenoiser:
             img_shapes=img_shapes,
         )
 
-    def batch_key(self, state: DenoiseState) -> Hashable:
+    def batch_key(self, state: StepState) -> Hashable:
         request = state.request
         return (request.height, request.width, request.do_true_cfg, self.dtype)
 
-    def step(self, states: Sequence[DenoiseState]) -> None:
+    def step_cost(self, state: StepState) -> int:
+        """Transformer image tokens of one step: (H/16)(W/16), doubled by CFG."""
+        request = state.request
+        return (request.width // 16) * (request.height // 16) * (2 if request.do_true_cfg else 1)
+
+    def release(self, state: StepState) -> None:
+        """Nothing: a state holds only its own tensors."""
+
+    def step(self, states: Sequence[StepState]) -> None:
         """Advance each state by one step, all of them in one transformer forward.
 
         The states must share a batch key; they may differ in prompt, prompt length, seed, step
@@ -193,7 +203,7 @@ class QwenImageDenoiser:
         elif batch:
             self._step_batch(batch)
 
-    def _checked(self, state: DenoiseState) -> QwenImageDenoiseState:
+    def _checked(self, state: StepState) -> QwenImageDenoiseState:
         if not isinstance(state, QwenImageDenoiseState):
             raise ValueError(f"step() needs QwenImageDenoiseState, got {type(state).__name__}")
         if self.is_done(state):
@@ -271,14 +281,14 @@ class QwenImageDenoiser:
             inputs["mask"] = mask
         return transformer_forward(self.transformer, inputs, img_shapes)
 
-    def is_done(self, state: DenoiseState) -> bool:
+    def is_done(self, state: StepState) -> bool:
         return state.step_index >= state.total_steps
 
-    def is_finite(self, state: DenoiseState) -> bool:
+    def is_finite(self, state: StepState) -> bool:
         assert isinstance(state, QwenImageDenoiseState)
         return bool(torch.isfinite(state.latents).all())
 
-    def preview(self, state: DenoiseState) -> np.ndarray:
+    def preview(self, state: StepState) -> np.ndarray:
         """The current latents as a small picture: unpacked to [C, h, w], the first three
         latent channels mapped to RGB, each stretched to 0..255. Cheap; no VAE."""
         assert isinstance(state, QwenImageDenoiseState)
@@ -292,13 +302,13 @@ class QwenImageDenoiser:
         scaled = (rgb - low) / (high - low).clamp_min(1e-6)
         return (scaled.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
 
-    def checkpoint(self, state: DenoiseState) -> StageState:
+    def checkpoint(self, state: StepState) -> StageState:
         """The latents and the step index: the rest (sigmas, timesteps) follows from the
         request, and flow-matching Euler draws no noise after the first latents."""
         assert isinstance(state, QwenImageDenoiseState)
         return StageState({"latents": state.latents.clone()}, {"step_index": str(state.step_index)})
 
-    def restore(self, state: DenoiseState, checkpoint: StageState) -> None:
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
         assert isinstance(state, QwenImageDenoiseState)
         latents = checkpoint.tensors.get("latents")
         try:
@@ -317,7 +327,7 @@ class QwenImageDenoiser:
         if self.graphed is not None:
             self.graphed.cache.clear()
 
-    def finish(self, state: DenoiseState) -> StageState:
+    def finish(self, state: StepState) -> StageState:
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
         assert isinstance(state, QwenImageDenoiseState)
         request = state.request

@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.qwenimage.family import TOKENIZER_MAX_LENGTH
 from omni_common.models.weights import load_component
 
 PROMPT_TEMPLATE = (
@@ -23,7 +24,6 @@ PROMPT_TEMPLATE = (
     "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
 PROMPT_TEMPLATE_DROP = 34  # tokens of the system prefix, dropped from the embeddings
-TOKENIZER_MAX_LENGTH = 1024
 
 
 class QwenImageEncoder:

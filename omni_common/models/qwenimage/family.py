@@ -1,22 +1,30 @@
-"""The Qwen-Image model family: request validation and per-stage loaders."""
+"""The Qwen-Image model family: its roles, its plan (encode -> denoise -> decode), request
+validation and per-stage loaders. Light on purpose: the coordinator imports it; the runners'
+modules (torch models) are imported only when a stage loads them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import DenoiserOptions, GenerationRequest, ModuleDeclaration
-from omni_common.models.qwenimage.decode import QwenImageDecoder
-from omni_common.models.qwenimage.denoise import DEFAULT_VAE_SCALE_FACTOR, QwenImageDenoiser
-from omni_common.models.qwenimage.encode import TOKENIZER_MAX_LENGTH, QwenImageEncoder
+from omni_common.validation import check_options
+from omni_common.models.base import (
+    GenerationRequest,
+    ModelCard,
+    ModuleDeclaration,
+    Plan,
+    PlanStep,
+    RoleSpec,
+    StageContext,
+    StageModel,
+)
 
 # Qwen-Image's VAE compresses 8x and the DiT packs 2x2 patches (the tiny fixture's VAE
 # compresses 4x, so 16 serves it too).
-SIZE_MULTIPLE = DEFAULT_VAE_SCALE_FACTOR * 2
+SIZE_MULTIPLE = 16
+TOKENIZER_MAX_LENGTH = 1024  # what the pipeline's tokenizer call allows after the template
 
-# Paths are relative to the stage runners (QwenImageEncoder.text_encoder, ...). The DiT's
+# Paths are relative to the stage models (QwenImageEncoder.text_encoder, ...). The DiT's
 # embeddings, norms and projections are small (~80 MB at full size against 40 GB of
 # blocks) and run every step: they stay on the device; its 60 blocks stream layerwise.
 MODULES = ModuleDeclaration(
@@ -40,15 +48,26 @@ MODULES = ModuleDeclaration(
     layers=("transformer.transformer_blocks",),
 )
 
+ROLES = (
+    RoleSpec("text-encoder", "ar-encoder", "async", "Qwen2.5-VL's LM: prompt -> hidden states (cached)"),
+    RoleSpec("denoise", "dit-denoise", "steps", "QwenImageTransformer2DModel, flow-matching Euler"),
+    RoleSpec("vae-decode", "vae-decode", "batch", "AutoencoderKLQwenImage: packed latents -> image"),
+)
+
 
 class QwenImageFamily:
     """diffusers' QwenImagePipeline split into encode / denoise / decode."""
 
     name = "qwenimage"
+    card = ModelCard(inputs=("text",), outputs=("image",), size_multiple=SIZE_MULTIPLE)
+    roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES
 
     def validate(self, request: GenerationRequest) -> None:
-        """What this family adds to omni_common.validation's ranges: the patch grid."""
+        """What this family adds to omni_common.validation's ranges: the patch grid, no images."""
+        if request.images:
+            raise InvalidArgument(f"{self.name} models take no input images (text to image only)")
+        check_options(dict(request.options), self.card.options, self.name)
         for side, value in (("width", request.width), ("height", request.height)):
             if value % SIZE_MULTIPLE:
                 raise InvalidArgument(f"{side} is {value}; it must be a multiple of {SIZE_MULTIPLE}")
@@ -58,17 +77,35 @@ class QwenImageFamily:
                 f"this model allows at most {TOKENIZER_MAX_LENGTH}"
             )
 
-    def load_encoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageEncoder:
-        return QwenImageEncoder.load(Path(model_dir), device, dtype)
+    def plan(self, request: GenerationRequest) -> Plan:
+        """The pipeline's recipe: encode the prompt (and the negative one with true CFG),
+        denoise step by step, decode the latents."""
+        embeds = ("prompt_embeds", "negative_prompt_embeds") if request.do_true_cfg else ("prompt_embeds",)
+        return Plan(
+            (
+                PlanStep("encode", "ar-encoder", "text-encoder", produces=embeds),
+                PlanStep(
+                    "denoise",
+                    "dit-denoise",
+                    "denoise",
+                    consumes=embeds,
+                    produces=("latents",),
+                    progress="steps",
+                    resumable=True,
+                ),
+                PlanStep("decode", "vae-decode", "vae-decode", consumes=("latents",), produces=("image",)),
+            )
+        )
 
-    def load_denoiser(
-        self,
-        model_dir: Path,
-        device: torch.device,
-        dtype: torch.dtype,
-        options: DenoiserOptions | None = None,
-    ) -> QwenImageDenoiser:
-        return QwenImageDenoiser.load(Path(model_dir), device, dtype, options)
+    def load(self, stage: str, model_dir: Path, context: StageContext) -> StageModel:
+        if stage == "ar-encoder":
+            from omni_common.models.qwenimage.prompt_encoder import load_prompt_stage
 
-    def load_decoder(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> QwenImageDecoder:
-        return QwenImageDecoder.load(Path(model_dir), device, dtype)
+            return load_prompt_stage(Path(model_dir), context)
+        if stage == "dit-denoise":
+            from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+
+            return QwenImageDenoiser.load(Path(model_dir), context.device, context.dtype, context.denoiser)
+        from omni_common.models.qwenimage.decode import QwenImageDecoder
+
+        return QwenImageDecoder.load(Path(model_dir), context.device, context.dtype)

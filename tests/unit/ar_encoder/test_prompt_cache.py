@@ -13,8 +13,8 @@ import torch
 
 from omni_common.models.base import GenerationRequest
 from omni_common.models.qwenimage.encode import PROMPT_TEMPLATE, QwenImageEncoder
-from services.ar_encoder.cache import CacheKey, EmbeddingCache, entry_bytes
-from services.ar_encoder.runner import PromptEncoder, TorchBackend
+from omni_common.models.qwenimage.prompt_cache import CacheKey, EmbeddingCache, entry_bytes
+from omni_common.models.qwenimage.prompt_encoder import PromptEncoder, TorchBackend
 
 
 def key(text: str, length: int = 512) -> CacheKey:

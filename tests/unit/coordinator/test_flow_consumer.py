@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from omni_common.models.base import GenerationRequest
+from omni_common.models.qwenimage import QwenImageFamily
 from omni_common.transport import TensorTransport, encode_inline
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
@@ -16,6 +18,7 @@ from services.coordinator.flow import RequestFlow
 from services.coordinator.registry import Replica, ReplicaPool
 
 STAGES = ("ar-encoder", "dit-denoise", "vae-decode")
+PLAN = QwenImageFamily().plan(GenerationRequest(prompt="a cat"))
 
 
 class RecordingStub:
@@ -53,7 +56,9 @@ def test_each_stage_hears_its_consumers_host_namespace_and_gpu(tmp_path: Path) -
 
     try:
         flow = RequestFlow(pool, transport, stage_timeout_s=10)
-        asyncio.run(flow.run("r1", stage_pb2.GenerationParams(model="m"), cpb.GenerateRequest(), None, emit))
+        asyncio.run(
+            flow.run("r1", stage_pb2.GenerationParams(model="m"), cpb.GenerateRequest(), PLAN, None, emit)
+        )
     finally:
         transport.close()
     [encode], [denoise], [decode] = (stubs[s].requests for s in STAGES)
@@ -88,7 +93,9 @@ def run_with_dit_replicas(tmp_path: Path, count: int) -> list[stage_pb2.StageReq
 
     try:
         flow = RequestFlow(pool, transport, stage_timeout_s=10, checkpoint_every=5)
-        asyncio.run(flow.run("r1", stage_pb2.GenerationParams(model="m"), cpb.GenerateRequest(), None, emit))
+        asyncio.run(
+            flow.run("r1", stage_pb2.GenerationParams(model="m"), cpb.GenerateRequest(), PLAN, None, emit)
+        )
     finally:
         transport.close()
     return [request for stub in dits for request in stub.requests]

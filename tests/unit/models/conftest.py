@@ -11,7 +11,9 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 
-from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.decode import QwenImageDecoder
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.encode import QwenImageEncoder
 
 CPU = torch.device("cpu")
 
@@ -35,14 +37,13 @@ def reference_pipeline(tiny_model: Path) -> Callable[[torch.dtype], QwenImagePip
 def split_runners(tiny_model: Path) -> Callable[[torch.dtype], tuple[Any, Any, Any]]:
     """(encoder, denoiser, decoder) of the Qwen-Image family on the tiny model, per dtype."""
     cache: dict[torch.dtype, tuple[Any, Any, Any]] = {}
-    family = QwenImageFamily()
 
     def get(dtype: torch.dtype) -> tuple[Any, Any, Any]:
         if dtype not in cache:
             cache[dtype] = (
-                family.load_encoder(tiny_model, CPU, dtype),
-                family.load_denoiser(tiny_model, CPU, dtype),
-                family.load_decoder(tiny_model, CPU, dtype),
+                QwenImageEncoder.load(tiny_model, CPU, dtype),
+                QwenImageDenoiser.load(tiny_model, CPU, dtype),
+                QwenImageDecoder.load(tiny_model, CPU, dtype),
             )
         return cache[dtype]
 

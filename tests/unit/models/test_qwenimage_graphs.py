@@ -16,8 +16,7 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 
 from omni_common.models.base import DenoiserOptions
-from omni_common.models.qwenimage import QwenImageFamily
-from omni_common.models.qwenimage.denoise import transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
 from omni_common.models.qwenimage.graphs import (
     BATCH_BUCKETS,
     TEXT_BUCKETS,
@@ -34,7 +33,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def denoiser(tiny_model: Path):
-    return QwenImageFamily().load_denoiser(tiny_model, CPU, torch.float32)
+    return QwenImageDenoiser.load(tiny_model, CPU, torch.float32)
 
 
 def inputs(denoiser, rows: int, lengths: list[int], seed: int = 0) -> tuple[dict[str, torch.Tensor], list]:
@@ -112,7 +111,7 @@ def test_cuda_graphs_on_the_cpu_are_refused_with_a_reason(tiny_model: Path) -> N
     from omni_common.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="CUDA graphs need a CUDA device"):
-        QwenImageFamily().load_denoiser(tiny_model, CPU, torch.float32, DenoiserOptions(cuda_graphs=True))
+        QwenImageDenoiser.load(tiny_model, CPU, torch.float32, DenoiserOptions(cuda_graphs=True))
 
 
 def test_capture_sizes_parse_as_width_by_height() -> None:

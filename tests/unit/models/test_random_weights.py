@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from omni_common.models.base import GenerationRequest
-from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.decode import QwenImageDecoder
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.pipeline import monolithic_pipeline
 from omni_common.models.qwenimage.random_model import write_random_model
 from omni_common.models.weights import random_weights_seed
@@ -21,8 +23,8 @@ CPU = torch.device("cpu")
 DIGEST = """
 import hashlib, sys, torch
 from pathlib import Path
-from omni_common.models.qwenimage import QwenImageFamily
-runner = QwenImageFamily().load_denoiser(Path(sys.argv[1]), torch.device("cpu"), torch.bfloat16)
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+runner = QwenImageDenoiser.load(Path(sys.argv[1]), torch.device("cpu"), torch.bfloat16)
 digest = hashlib.sha256()
 for name, tensor in sorted(runner.transformer.state_dict().items()):
     digest.update(name.encode() + tensor.view(torch.uint8).numpy().tobytes())
@@ -50,7 +52,7 @@ def test_every_process_builds_the_same_weights(random_tiny: Path) -> None:
     first = digest()
     assert first == digest()
     other_seed = write_random_model(random_tiny.parent / "other", full_size=False, seed=4)
-    runner = QwenImageFamily().load_denoiser(other_seed, CPU, torch.bfloat16)
+    runner = QwenImageDenoiser.load(other_seed, CPU, torch.bfloat16)
     ours = hashlib.sha256()
     for name, tensor in sorted(runner.transformer.state_dict().items()):
         ours.update(name.encode() + tensor.view(torch.uint8).numpy().tobytes())
@@ -59,10 +61,10 @@ def test_every_process_builds_the_same_weights(random_tiny: Path) -> None:
 
 def test_full_size_is_qwen_image_at_its_real_size(tmp_path: Path) -> None:
     model = write_random_model(tmp_path / "qwen-image-full", full_size=True)
-    family, meta = QwenImageFamily(), torch.device("meta")  # built without memory
-    dit = family.load_denoiser(model, meta, torch.bfloat16).transformer
-    encoder = family.load_encoder(model, meta, torch.bfloat16).text_encoder
-    vae = family.load_decoder(model, meta, torch.bfloat16).vae
+    meta = torch.device("meta")  # built without memory
+    dit = QwenImageDenoiser.load(model, meta, torch.bfloat16).transformer
+    encoder = QwenImageEncoder.load(model, meta, torch.bfloat16).text_encoder
+    vae = QwenImageDecoder.load(model, meta, torch.bfloat16).vae
     billions = {
         name: round(sum(p.numel() for p in module.parameters()) / 1e9, 2)
         for name, module in (("dit", dit), ("lm", encoder.model.language_model), ("vae", vae))
@@ -72,10 +74,9 @@ def test_full_size_is_qwen_image_at_its_real_size(tmp_path: Path) -> None:
 
 
 def test_split_runners_equal_diffusers_on_the_same_random_weights(random_tiny: Path) -> None:
-    family = QwenImageFamily()
-    encoder = family.load_encoder(random_tiny, CPU, torch.float32)
-    denoiser = family.load_denoiser(random_tiny, CPU, torch.float32)
-    decoder = family.load_decoder(random_tiny, CPU, torch.float32)
+    encoder = QwenImageEncoder.load(random_tiny, CPU, torch.float32)
+    denoiser = QwenImageDenoiser.load(random_tiny, CPU, torch.float32)
+    decoder = QwenImageDecoder.load(random_tiny, CPU, torch.float32)
     request = GenerationRequest(prompt="a cat", width=32, height=32, num_inference_steps=3, seed=1)
     state = denoiser.prepare(request, encoder.encode([request])[0])
     while not denoiser.is_done(state):

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from omni_common.models.base import GenerationRequest, ModuleDeclaration
-from omni_common.models.qwenimage import QwenImageFamily
+from omni_common.models.qwenimage.decode import QwenImageDecoder
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.runtime.memory import WeightSleeper, discover_modules
 
@@ -90,11 +92,10 @@ def test_unknown_roles_are_refused() -> None:
 
 
 def test_the_qwenimage_declaration_covers_every_weight_of_each_stage(tiny_model: Path) -> None:
-    family = QwenImageFamily()
     runners = {
-        "encoder": family.load_encoder(tiny_model, CPU, torch.float32),
-        "dit": family.load_denoiser(tiny_model, CPU, torch.float32),
-        "vae": family.load_decoder(tiny_model, CPU, torch.float32),
+        "encoder": QwenImageEncoder.load(tiny_model, CPU, torch.float32),
+        "dit": QwenImageDenoiser.load(tiny_model, CPU, torch.float32),
+        "vae": QwenImageDecoder.load(tiny_model, CPU, torch.float32),
     }
     for role, runner in runners.items():
         found = discover_modules(runner, MODULES, role)
@@ -108,8 +109,8 @@ def test_the_qwenimage_declaration_covers_every_weight_of_each_stage(tiny_model:
     ]
 
 
-def run_denoiser(family: QwenImageFamily, tiny_model: Path, denoiser: object) -> torch.Tensor:
-    encoder = family.load_encoder(tiny_model, CPU, torch.float32)
+def run_denoiser(tiny_model: Path, denoiser: object) -> torch.Tensor:
+    encoder = QwenImageEncoder.load(tiny_model, CPU, torch.float32)
     state = denoiser.prepare(REQUEST, encoder.encode([REQUEST])[0])  # type: ignore[attr-defined]
     while not denoiser.is_done(state):  # type: ignore[attr-defined]
         denoiser.step([state])  # type: ignore[attr-defined]
@@ -118,14 +119,13 @@ def run_denoiser(family: QwenImageFamily, tiny_model: Path, denoiser: object) ->
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_and_wake_leave_outputs_bitwise_unchanged(tiny_model: Path, level: int) -> None:
-    family = QwenImageFamily()
-    denoiser = family.load_denoiser(tiny_model, CPU, torch.float32)
-    before = run_denoiser(family, tiny_model, denoiser)
+    denoiser = QwenImageDenoiser.load(tiny_model, CPU, torch.float32)
+    before = run_denoiser(tiny_model, denoiser)
     modules = discover_modules(denoiser, MODULES, "dit")
     total = modules.weight_bytes()
 
     def reload() -> dict[str, torch.Tensor]:
-        fresh = family.load_denoiser(tiny_model, CPU, torch.float32)
+        fresh = QwenImageDenoiser.load(tiny_model, CPU, torch.float32)
         return dict(discover_modules(fresh, MODULES, "dit").named_weights())
 
     sleeper = WeightSleeper(modules, CPU, reload=reload)
@@ -137,7 +137,7 @@ def test_sleep_and_wake_leave_outputs_bitwise_unchanged(tiny_model: Path, level:
     assert sleeper.sleep(level).nbytes == 0  # sleeping twice is a no-op
     woken = sleeper.wake()
     assert (woken.level, woken.nbytes) == (level, total) and sleeper.awake
-    assert torch.equal(run_denoiser(family, tiny_model, denoiser), before)
+    assert torch.equal(run_denoiser(tiny_model, denoiser), before)
     if level == 1:  # packed: the weights came back as views of one buffer (the tiny model
         # fits one chunk), in one copy
         storages = {t.untyped_storage().data_ptr() for _, t in modules.named_weights()}
@@ -147,7 +147,7 @@ def test_sleep_and_wake_leave_outputs_bitwise_unchanged(tiny_model: Path, level:
     again = sleeper.sleep(level)
     assert (again.nbytes, again.copied) == (total, 0)
     assert sleeper.wake().copied == total
-    assert torch.equal(run_denoiser(family, tiny_model, denoiser), before)
+    assert torch.equal(run_denoiser(tiny_model, denoiser), before)
 
 
 def test_level_two_needs_a_reload() -> None:

@@ -1,4 +1,4 @@
-"""ar-encoder runner: the prompt-embedding cache in front of one encoder backend.
+"""Qwen-Image's text-encoder role: the prompt-embedding cache in front of one encoder backend.
 
 Per request: look up each of its texts (prompt and, with true CFG, negative prompt) in the
 cache, encode the missing ones with the backend, store them, and assemble the stage output
@@ -16,24 +16,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from omni_common.errors import ResourceExhausted
-from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.base import GenerationRequest, RoleCall, StageContext, StageState
 from omni_common.models.qwenimage.encode import (
     PROMPT_TEMPLATE,
     QwenImageEncoder,
     state_from_embeddings,
     texts_of,
 )
+from omni_common.models.qwenimage.prompt_cache import CacheKey, EmbeddingCache
 from omni_common.runtime.batching import MicroBatcher
-from services.ar_encoder.cache import CacheKey, EmbeddingCache
 
 log = logging.getLogger("omnistage.ar_encoder")
-BACKENDS = ("torch", "vllm")
 LOG_STATS_EVERY = 100  # requests between two cache-statistics log lines
+# A caller of Stage.Run may set this input meta key to "1" to skip the cache for one request
+# (no proto field yet; the coordinator does not set it).
+BYPASS_META_KEY = "omnistage.bypass_cache"
 
 
 class TextBackend(Protocol):
@@ -91,7 +95,7 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, encoder: object, *, max_queue: int) -> None:
-        from services.ar_encoder.vllm_backend import VllmTextEncoder
+        from omni_common.models.qwenimage.vllm_encoder import VllmTextEncoder
 
         assert isinstance(encoder, VllmTextEncoder)
         self.encoder = encoder
@@ -118,13 +122,32 @@ class VllmBackend:
 
 
 class PromptEncoder:
-    """The cache in front of a backend; one StageState per request."""
+    """The text-encoder role (an AsyncRunner): the cache in front of a backend; one StageState
+    per request."""
 
-    def __init__(self, backend: TextBackend, cache: EmbeddingCache, model_key: str) -> None:
+    def __init__(
+        self, backend: TextBackend, cache: EmbeddingCache, model_key: str, *, bypass: bool = False
+    ) -> None:
         self.backend = backend
         self.cache = cache
         self.model_key = model_key
+        self.bypass = bypass  # --cache-bypass: neither read nor fill the cache
+        self.in_flight = 0
         self._requests = 0
+
+    async def run(self, call: RoleCall) -> StageState:
+        bypass = self.bypass or call.inputs.meta.get(BYPASS_META_KEY) == "1"
+        self.in_flight += 1
+        try:
+            return await self.encode(
+                call.request, bypass_cache=bypass, deadline=call.deadline, label=call.label
+            )
+        finally:
+            self.in_flight -= 1
+
+    def load(self) -> int:
+        """Prompts waiting or being encoded."""
+        return self.in_flight
 
     def key(self, text: str, request: GenerationRequest) -> CacheKey:
         return CacheKey(self.model_key, text, PROMPT_TEMPLATE, request.max_sequence_length)
@@ -158,3 +181,50 @@ class PromptEncoder:
     def close(self) -> None:
         self.cache.log_stats()
         self.backend.close()
+
+
+class PromptStage:
+    """The ar-encoder's stage model: the text encoder (torch backend; None with vLLM, whose
+    engine holds the weights) and the text-encoder role."""
+
+    def __init__(self, text_encoder: nn.Module | None, runner: PromptEncoder) -> None:
+        self.text_encoder = text_encoder  # what sleep/wake move (MODULES: "text_encoder")
+        self.runners = {"text-encoder": runner}
+
+
+def load_prompt_stage(model_dir: Path, context: StageContext) -> PromptStage:
+    """The encoder with the backend the stage asked for, behind the prompt cache."""
+    backend: TextBackend
+    text_encoder = None
+    if context.backend == "vllm":
+        backend = _start_vllm(model_dir, context)
+    else:
+        assert context.compute is not None, "the torch backend runs on the stage's compute thread"
+        encoder = QwenImageEncoder.load(model_dir, context.device, context.dtype)
+        text_encoder = encoder.text_encoder
+        backend = TorchBackend(
+            encoder,
+            context.compute,
+            window_s=context.batch_window_s,
+            max_batch=context.max_batch,
+            max_queue=context.max_queue,
+        )
+    dtype = str(context.dtype).removeprefix("torch.")
+    model_key = f"{Path(model_dir).resolve().name}:{dtype}:{context.backend}"
+    cache = EmbeddingCache(context.cache_bytes)
+    return PromptStage(text_encoder, PromptEncoder(backend, cache, model_key, bypass=context.cache_bypass))
+
+
+def _start_vllm(model_dir: Path, context: StageContext) -> VllmBackend:
+    from omni_common.models.qwenimage.vllm_encoder import EngineStartError, VllmTextEncoder, vllm_available
+
+    if not vllm_available():
+        raise SystemExit(
+            "ar-encoder: --backend vllm needs vLLM: OMNISTAGE_VLLM=1 bash scripts/setup.sh "
+            "(CPU) or `pip install vllm` (CUDA); see README"
+        )
+    try:
+        encoder = VllmTextEncoder(model_dir, context.dtype, memory_fraction=context.vllm_memory_fraction)
+    except EngineStartError as exc:
+        raise SystemExit(f"ar-encoder: {exc}") from exc
+    return VllmBackend(encoder, max_queue=context.max_queue)

@@ -1,9 +1,11 @@
-"""StepScheduler: continuous step-level batching for the DiT.
+"""StepScheduler: continuous step-level batching of a step-wise role (a StepRunner): the DiT's
+denoising loop, an autoregressive model's token generation.
 
-Requests join and leave between any two denoising steps. Each iteration:
+Requests join and leave between any two steps. Each iteration:
 1. drops jobs whose caller went away or whose deadline passed;
-2. takes the oldest job and, in arrival order, the other jobs with its batch key (same
-   resolution, CFG, dtype) up to `max_batch` jobs and `max_tokens` image tokens;
+2. takes the oldest job and, in arrival order, the other jobs with its batch key (e.g. same
+   resolution, CFG, dtype) up to `max_batch` jobs and `max_tokens` compute units per step
+   (the runner's `step_cost`: image tokens x CFG passes for a DiT, 1 for a token);
 3. runs one step for all of them in one forward (the runner batches), then reports
    progress and retires the finished ones.
 Serving the oldest job's group first keeps it first come, first served: a request waits
@@ -22,10 +24,10 @@ from typing import Any, TypeVar
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.imaging import to_png
-from omni_common.models.base import DenoiserRunner, DenoiseState, StageState
-from omni_common.runtime.worker import Progress, StageCall
+from omni_common.models.base import StageState, StepRunner, StepState
+from omni_common.runtime.calls import Progress, StageCall
 
-log = logging.getLogger("omnistage.dit-denoise")
+log = logging.getLogger("omnistage.steps")
 T = TypeVar("T")
 Compute = Callable[..., Awaitable[Any]]
 
@@ -35,33 +37,30 @@ Event = Progress | StageState | OmniError
 @dataclass(eq=False)
 class Job:
     call: StageCall
-    state: DenoiseState
-    tokens: int
+    state: StepState
+    cost: int  # compute units of one step
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     gone: bool = False  # the caller stopped listening (cancelled, disconnected, done)
 
 
-def _preview_png(runner: DenoiserRunner, state: DenoiseState) -> bytes:
-    return to_png(runner.preview(state))
-
-
-def image_tokens(call: StageCall) -> int:
-    """Transformer image tokens of one step: (H/16)(W/16), doubled by CFG."""
-    request = call.request
-    return (request.width // 16) * (request.height // 16) * (2 if request.do_true_cfg else 1)
+def _preview_png(runner: StepRunner, state: StepState) -> bytes:
+    picture = runner.preview(state)
+    return b"" if picture is None else to_png(picture)
 
 
 class StepScheduler:
     def __init__(
         self,
-        runner: DenoiserRunner,
+        runner: StepRunner,
         compute: Compute,
         *,
         max_batch: int = 8,
         max_tokens: int = 65536,
         max_queue: int = 64,
+        name: str = "dit-denoise",
     ) -> None:
         self.runner = runner
+        self.name = name
         self.compute = compute
         self.max_batch = max_batch
         self.max_tokens = max_tokens
@@ -71,25 +70,30 @@ class StepScheduler:
         self.batch_sizes: list[int] = []  # recent forward batch sizes (observability, tests)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._left: list[StepState] = []  # states of jobs that left unfinished, to release
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
 
     def queued_work(self) -> int:
-        return sum((job.state.total_steps - job.state.step_index) * job.tokens for job in self.jobs)
+        return sum((job.state.total_steps - job.state.step_index) * job.cost for job in self.jobs)
 
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Admit one request and stream its progress, then its result."""
         if len(self.jobs) >= self.max_queue:
             wait_ms = max(1, round(self.queued_steps() / self.max_batch * self.step_ms))
             raise ResourceExhausted(
-                f"dit-denoise is at capacity ({len(self.jobs)} requests); retry in about {wait_ms} ms",
+                f"{self.name} is at capacity ({len(self.jobs)} requests); retry in about {wait_ms} ms",
                 retry_after_ms=wait_ms,
             )
         state = await self.compute(self.runner.prepare, call.request, call.inputs)
         if call.resume is not None:
-            await self.compute(self.runner.restore, state, call.resume)
-        job = Job(call, state, image_tokens(call))
+            try:
+                await self.compute(self.runner.restore, state, call.resume)
+            except BaseException:
+                self.runner.release(state)
+                raise
+        job = Job(call, state, self.runner.step_cost(state))
         self.jobs.append(job)
         self._ensure_loop()
         try:
@@ -116,6 +120,7 @@ class StepScheduler:
     async def _loop(self) -> None:
         while True:
             self._drop_dead()
+            await self._release_left()
             if not self.jobs:
                 self._wake.clear()
                 await self._wake.wait()
@@ -137,9 +142,11 @@ class StepScheduler:
         for job in list(self.jobs):
             if job.gone:
                 self.jobs.remove(job)
+                self._left.append(job.state)
             elif job.call.deadline is not None and now >= job.call.deadline:
                 self.jobs.remove(job)
                 state = job.state
+                self._left.append(state)
                 job.events.put_nowait(
                     DeadlineExceeded(
                         f"request {job.call.request_id}: the deadline passed at step "
@@ -150,13 +157,13 @@ class StepScheduler:
     def _pick(self) -> list[Job]:
         oldest = self.jobs[0]
         key = self.runner.batch_key(oldest.state)
-        batch, tokens = [oldest], oldest.tokens
+        batch, cost = [oldest], oldest.cost
         for job in self.jobs[1:]:
             if len(batch) >= self.max_batch:
                 break
-            if self.runner.batch_key(job.state) == key and tokens + job.tokens <= self.max_tokens:
+            if self.runner.batch_key(job.state) == key and cost + job.cost <= self.max_tokens:
                 batch.append(job)
-                tokens += job.tokens
+                cost += job.cost
         return batch
 
     async def _step(self, batch: list[Job]) -> list[Job]:
@@ -178,17 +185,29 @@ class StepScheduler:
                 healthy.append(job)
             else:
                 log.error("request %s: the step produced NaN or Inf", job.call.request_id)
-                self._retire(job, OmniError(f"request {job.call.request_id}: denoising produced NaN or Inf"))
+                self._retire(
+                    job, OmniError(f"request {job.call.request_id}: {self.name} produced NaN or Inf")
+                )
         return healthy
 
     def _fail(self, job: Job) -> None:
-        log.exception("request %s: denoising step failed", job.call.request_id)
-        self._retire(job, OmniError(f"internal error in dit-denoise (request {job.call.request_id})"))
+        log.exception("request %s: %s step failed", job.call.request_id, self.name)
+        self._retire(job, OmniError(f"internal error in {self.name} (request {job.call.request_id})"))
 
     def _retire(self, job: Job, event: Event) -> None:
         if job in self.jobs:
             self.jobs.remove(job)
+            self._left.append(job.state)
         job.events.put_nowait(event)
+
+    async def _release_left(self) -> None:
+        """Free what unfinished jobs held (a KV slot), between steps: no step uses them then."""
+        while self._left:
+            state = self._left.pop()
+            try:
+                await self.compute(self.runner.release, state)
+            except Exception:
+                log.exception("%s: releasing a request's state failed", self.name)
 
     async def _report(self, job: Job, step_ms: float) -> None:
         state, call = job.state, job.call

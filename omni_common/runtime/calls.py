@@ -1,0 +1,45 @@
+"""The messages between a stage's server and its worker: a validated call in, progress out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from omni_common.models.base import GenerationRequest, RoleCall, StageState
+
+
+@dataclass
+class Progress:
+    """A step of a stage's work, as its worker reports it (the server turns it into a
+    StepProgress event, exporting the checkpoint's tensors)."""
+
+    step: int
+    total: int
+    step_ms: float = 0.0
+    preview_png: bytes = b""
+    checkpoint: StageState | None = None
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One validated request to a stage, as its worker sees it."""
+
+    request_id: str
+    request: GenerationRequest
+    inputs: StageState
+    # The model role to run; "" = the stage's first role.
+    role: str = ""
+    outputs: frozenset[str] = frozenset()
+    progress_every: int = 1
+    preview_every: int = 0
+    # time.monotonic() after which the caller no longer wants the result; None = no deadline.
+    deadline: float | None = None
+    checkpoint_every: int = 0
+    resume: StageState | None = None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def role_call(self) -> RoleCall:
+        """What a batch or async runner sees of this call."""
+        return RoleCall(self.request, self.inputs, self.deadline, self.request_id)
