@@ -35,7 +35,7 @@ def test_explicit_zero_is_not_a_default() -> None:
         ({"num_inference_steps": 1001}, "num_inference_steps is 1001"),
         ({"true_cfg_scale": math.nan}, "true_cfg_scale is nan"),
         ({"true_cfg_scale": -1.0}, "true_cfg_scale is -1.0"),
-        ({"max_sequence_length": 2048}, "max_sequence_length is 2048"),
+        ({"max_sequence_length": 5000}, "max_sequence_length is 5000"),
         ({"prompt": "x" * 10_001}, "prompt has 10001 characters"),
         ({"negative_prompt": "x" * 10_001}, "negative_prompt has 10001 characters"),
     ],

@@ -79,7 +79,7 @@ class GlmImageFamily:
         inputs=("text", "image"),
         max_images=MAX_IMAGES,
         outputs=("image",),
-        defaults={"true_cfg_scale": DEFAULT_GUIDANCE},
+        defaults={"true_cfg_scale": DEFAULT_GUIDANCE, "max_sequence_length": 2048},
         size_multiple=SIZE_MULTIPLE,
     )
     roles: tuple[RoleSpec, ...] = ROLES
@@ -95,19 +95,24 @@ class GlmImageFamily:
             if value % SIZE_MULTIPLE:
                 raise InvalidArgument(f"{side} is {value}; it must be a multiple of {SIZE_MULTIPLE}")
         if len(request.images) > MAX_IMAGES:
-            raise InvalidArgument(f"{self.name} takes at most {MAX_IMAGES} input images; got {len(request.images)}")
+            raise InvalidArgument(
+                f"{self.name} takes at most {MAX_IMAGES} input images; got {len(request.images)}"
+            )
         for i, image in enumerate(request.images):
             if image.width % SIZE_MULTIPLE or image.height % SIZE_MULTIPLE:
                 raise InvalidArgument(
-                    f"input image {i} is {image.width}x{image.height}; a condition image's sides must be "
-                    f"multiples of {SIZE_MULTIPLE} (its AR tokens must fill the DiT's grid): resize or crop it"
+                    f"input image {i} is {image.width}x{image.height}; a condition image's sides must "
+                    f"be multiples of {SIZE_MULTIPLE} (its AR tokens must fill the DiT's grid): resize "
+                    "or crop it"
                 )
 
     def plan(self, request: GenerationRequest) -> Plan:
         """The pipeline's recipe as role calls; the prior, glyph and (edit) VAE-encode calls do
         not depend on each other and run at the same time."""
         images = tuple(input_image_name(i) for i in range(len(request.images)))
-        glyph = ("prompt_embeds", "negative_prompt_embeds") if request.true_cfg_scale > 1 else ("prompt_embeds",)
+        glyph = (
+            ("prompt_embeds", "negative_prompt_embeds") if request.true_cfg_scale > 1 else ("prompt_embeds",)
+        )
         condition_tokens = ("prior_token_image_ids", "source_image_grid_thw") if images else ()
         steps = [
             PlanStep(

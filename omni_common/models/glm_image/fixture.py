@@ -21,6 +21,7 @@ Weights are seeded per component and saved in float32; the dtype is chosen at lo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline
@@ -86,7 +87,11 @@ def build_ar_tokenizer() -> PreTrainedTokenizerFast:
         bos_token="<|image_start|>",
         eos_token="<|image_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"},
+        extra_special_tokens={
+            "image_token": "<|image|>",
+            "grid_bos_token": "<sop>",
+            "grid_eos_token": "<eop>",
+        },
     )
 
 
@@ -194,6 +199,6 @@ def build_tiny_fixture(out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     if (out_dir / "model_index.json").is_file():
         return out_dir
-    pipe = GlmImagePipeline(**build_components(seed))  # type: ignore[arg-type]
+    pipe: Any = GlmImagePipeline(**build_components(seed))
     pipe.save_pretrained(out_dir)
     return out_dir

@@ -29,6 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
+from omni_common.models.latents import latent_checkpoint, latent_preview, read_checkpoint
 from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
 from omni_common.models.weights import load_component
 from omni_common.runtime.cuda_graphs import Inputs
@@ -295,30 +296,18 @@ class QwenImageDenoiser:
         request = state.request
         latents = QwenImagePipeline._unpack_latents(
             state.latents.float().cpu(), request.height, request.width, self.vae_scale_factor
-        )[0, :, 0]
-        rgb = latents[[i % latents.shape[0] for i in range(3)]]
-        low = rgb.amin(dim=(1, 2), keepdim=True)
-        high = rgb.amax(dim=(1, 2), keepdim=True)
-        scaled = (rgb - low) / (high - low).clamp_min(1e-6)
-        return (scaled.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        )
+        return latent_preview(latents[0, :, 0])
 
     def checkpoint(self, state: StepState) -> StageState:
         """The latents and the step index: the rest (sigmas, timesteps) follows from the
         request, and flow-matching Euler draws no noise after the first latents."""
         assert isinstance(state, QwenImageDenoiseState)
-        return StageState({"latents": state.latents.clone()}, {"step_index": str(state.step_index)})
+        return latent_checkpoint(state.latents, state.step_index)
 
     def restore(self, state: StepState, checkpoint: StageState) -> None:
         assert isinstance(state, QwenImageDenoiseState)
-        latents = checkpoint.tensors.get("latents")
-        try:
-            step_index = int(checkpoint.meta.get("step_index", ""))
-        except ValueError:
-            raise InvalidArgument("the checkpoint has no valid step_index") from None
-        if latents is None or latents.shape != state.latents.shape:
-            raise InvalidArgument("the checkpoint's latents do not fit this request")
-        if not 0 <= step_index <= state.total_steps:
-            raise InvalidArgument(f"the checkpoint's step_index {step_index} is out of range")
+        latents, step_index = read_checkpoint(checkpoint, state.latents.shape, state.total_steps)
         state.latents = latents.to(device=self.device, dtype=self.dtype)
         state.step_index = step_index
         state.scheduler.set_begin_index(step_index)

@@ -1,0 +1,41 @@
+"""What flow-matching denoisers share about their latents: checkpoints (latents + step index:
+flow-matching Euler draws no noise after the first latents, so that is all another replica
+needs) and a cheap preview picture."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import StageState
+
+
+def latent_checkpoint(latents: torch.Tensor, step_index: int) -> StageState:
+    return StageState({"latents": latents.clone()}, {"step_index": str(step_index)})
+
+
+def read_checkpoint(checkpoint: StageState, shape: torch.Size, total_steps: int) -> tuple[torch.Tensor, int]:
+    """(latents, step index) of a checkpoint that fits a request with latents of `shape` and
+    `total_steps` steps; INVALID_ARGUMENT otherwise."""
+    latents = checkpoint.tensors.get("latents")
+    try:
+        step_index = int(checkpoint.meta.get("step_index", ""))
+    except ValueError:
+        raise InvalidArgument("the checkpoint has no valid step_index") from None
+    if latents is None or latents.shape != shape:
+        raise InvalidArgument("the checkpoint's latents do not fit this request")
+    if not 0 <= step_index <= total_steps:
+        raise InvalidArgument(f"the checkpoint's step_index {step_index} is out of range")
+    return latents, step_index
+
+
+def latent_preview(latents: torch.Tensor) -> np.ndarray:
+    """Latents [C, h, w] as a small uint8 [h, w, 3] picture: the first three channels as RGB,
+    each stretched to 0..255. Cheap; no VAE."""
+    latents = latents.float().cpu()
+    rgb = latents[[i % latents.shape[0] for i in range(3)]]
+    low = rgb.amin(dim=(1, 2), keepdim=True)
+    high = rgb.amax(dim=(1, 2), keepdim=True)
+    scaled = (rgb - low) / (high - low).clamp_min(1e-6)
+    return (scaled.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
