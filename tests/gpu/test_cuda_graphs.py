@@ -30,9 +30,7 @@ ATOL = 1e-5
 
 @pytest.fixture
 def denoiser(tiny_model: Path):
-    return QwenImageDenoiser.load(
-        tiny_model, DEVICE, torch.float32, DenoiserOptions(cuda_graphs=True)
-    )
+    return QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, DenoiserOptions(cuda_graphs=True))
 
 
 def forward_inputs(denoiser, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:

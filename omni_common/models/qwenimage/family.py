@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument
-from omni_common.validation import check_options
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
@@ -18,6 +17,7 @@ from omni_common.models.base import (
     StageContext,
     StageModel,
 )
+from omni_common.validation import check_options
 
 # Qwen-Image's VAE compresses 8x and the DiT packs 2x2 patches (the tiny fixture's VAE
 # compresses 4x, so 16 serves it too).
