@@ -25,6 +25,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_fixture(tmp_path_factory.mktemp("models") / "qwen-image-tiny")
 
 
+@pytest.fixture(scope="session")
+def glm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random GLM-Image fixture (diffusers layout), built once per session."""
+    from omni_common.models.glm_image.fixture import build_tiny_fixture
+
+    return build_tiny_fixture(tmp_path_factory.mktemp("models") / "glm-image-tiny")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_segment_left_behind() -> Iterator[None]:
     """After the whole suite, no omnistage shared-memory segment may remain."""

@@ -10,16 +10,14 @@ Every handler streams a call's progress (step-wise roles) and then its one outpu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from omni_common.models.base import AsyncRunner, BatchRunner, RoleCall, RoleSpec, StageState, StepRunner
 from omni_common.runtime.batching import MicroBatcher
 from omni_common.runtime.calls import Progress, StageCall
-from omni_common.runtime.step_scheduler import StepScheduler
-
-Compute = Callable[..., Awaitable[Any]]
+from omni_common.runtime.step_scheduler import Compute, StepScheduler
 
 
 @dataclass(frozen=True)

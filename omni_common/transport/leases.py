@@ -101,14 +101,26 @@ def capacity_of(buf: mmap.mmap) -> int | None:
     return int(capacity)
 
 
-def _start_time(pid: int) -> int:
-    """Start time of a process in clock ticks (0 when unknown); tells a reused pid apart."""
+def _proc_stat(pid: int) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command name ([] when unreadable)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return []
+
+
+def _start_time(pid: int) -> int:
+    """Start time of a process in clock ticks (0 when unknown); tells a reused pid apart."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether `pid` has exited but not been reaped yet (its memory, segments aside, is gone)."""
+    fields = _proc_stat(pid)
+    return bool(fields) and fields[0] == b"Z"
 
 
 def _pid_ns() -> int:
@@ -173,6 +185,8 @@ def _owner_is_dead(header: bytes) -> bool:
         return True
     except PermissionError:
         return False
+    if _is_zombie(pid):
+        return True  # killed, its parent has not waited for it yet
     return bool(start) and _start_time(pid) not in (0, start)  # pid reused by someone else
 
 

@@ -53,6 +53,19 @@ class PeerMaps:
         self._maps: OrderedDict[str, _Mapped] = OrderedDict()
         self._lock = threading.Lock()
 
+    def elsewhere(self, shm: tensor_pb2.ShmRef) -> bool:
+        """Whether a well-formed handle (its lease of its arena's producer) names a producer
+        whose lease table is not in this shared-memory directory: one on another host. False
+        for anything malformed or forged, which import_shm then refuses."""
+        arena = ARENA_ID_RE.fullmatch(shm.arena_id)
+        try:
+            key = parse_lease_id(shm.lease_id)
+        except InvalidArgument:
+            return False
+        if arena is None or key.token != arena.group(1):
+            return False
+        return not segment_path(self.shm_dir, key.token, "leases").exists()
+
     def get(self, token: str, index: int | str) -> _Mapped | None:
         """The mapping of a segment, None when the file does not exist."""
         key = f"{token}-{index}"

@@ -11,7 +11,7 @@ import grpc.aio
 import numpy as np
 import torch
 
-from omni_common.errors import InvalidArgument, OmniError, error_from_rpc
+from omni_common.errors import InvalidArgument, NotFound, OmniError, error_from_rpc
 from omni_common.runtime.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES, aio_channel
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -77,10 +77,11 @@ def _stub(address: str) -> tensor_pb2_grpc.TensorStoreStub:
 async def fetch_remote(
     ref: tensor_pb2.TensorRef, max_tensor_bytes: int, chunk_bytes: int = CHUNK_BYTES
 ) -> torch.Tensor:
-    """Pull the tensor behind a RemoteRef (or a CudaIpcRef this process cannot open) from its
-    producer into a fresh CPU tensor."""
+    """Pull the tensor behind a RemoteRef (or a CudaIpcRef or ShmRef this process cannot open)
+    from its producer into a fresh CPU tensor."""
     dtype, shape = check_header(ref, max_tensor_bytes)
-    where = ref.cuda_ipc if ref.WhichOneof("location") == "cuda_ipc" else ref.remote
+    kind = ref.WhichOneof("location")
+    where = ref.cuda_ipc if kind == "cuda_ipc" else ref.shm if kind == "shm" else ref.remote
     parse_lease_id(where.lease_id)
     if not where.producer_address:
         raise InvalidArgument(f"tensor {ref.name!r}: remote ref without a producer address")
@@ -99,6 +100,12 @@ async def fetch_remote(
             dst[received:end] = np.frombuffer(chunk.data, dtype=np.uint8)
             received = end
     except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            # The producer is gone (killed, or its host is): so is the tensor. NOT_FOUND tells
+            # the caller to produce it again, where UNAVAILABLE would blame this replica.
+            raise NotFound(
+                f"tensor {ref.name!r}: its producer at {where.producer_address} cannot be reached"
+            ) from None
         raise error_from_rpc(e) from None
     if received != ref.nbytes:
         raise OmniError(

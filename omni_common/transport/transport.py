@@ -135,6 +135,7 @@ class TensorTransport:
             ref.shm.nbytes = nbytes
             ref.shm.lease_id = lease_id
             ref.shm.generation = generation
+            ref.shm.producer_address = self.address
         return ref
 
     def _lease_shared(self, ref: tensor_pb2.TensorRef, shared: cuda_ipc.Shared) -> tensor_pb2.TensorRef:
@@ -251,6 +252,9 @@ class TensorTransport:
                     # Routed to a replica off the producer's GPU: still served, at fetch speed.
                     say_once(f"this process cannot open CUDA IPC handles ({err.code.name}); it fetches them")
                     return await fetch_remote(ref, self.max_tensor_bytes)
+            if kind == "shm" and ref.shm.producer_address and self._peers.elsewhere(ref.shm):
+                # Made for a consumer on the producer's host, routed to another (failover).
+                return await fetch_remote(ref, self.max_tensor_bytes)
             if ref.nbytes >= _THREAD_COPY_BYTES:
                 return await asyncio.to_thread(self.import_tensor_sync, ref)
             return self.import_tensor_sync(ref)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19omnistage/v1/tensor.proto\x12\x0comnistage.v1\"`\n\x06ShmRef\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"\x94\x01\n\nCudaIpcRef\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x18\n\x10producer_address\x18\x07 \x01(\t\"7\n\tRemoteRef\x12\x18\n\x10producer_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xe8\x01\n\tTensorRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x15\n\x0binline_data\x18\x05 \x01(\x0cH\x00\x12#\n\x03shm\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.ShmRefH\x00\x12,\n\x08\x63uda_ipc\x18\x07 \x01(\x0b\x32\x18.omnistage.v1.CudaIpcRefH\x00\x12)\n\x06remote\x18\x08 \x01(\x0b\x32\x17.omnistage.v1.RemoteRefH\x00\x42\n\n\x08location\"\x95\x01\n\nStageState\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x30\n\x04meta\x18\x02 \x03(\x0b\x32\".omnistage.v1.StageState.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"5\n\x0c\x46\x65tchRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"+\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r2\x97\x01\n\x0bTensorStore\x12@\n\x05\x46\x65tch\x12\x1a.omnistage.v1.FetchRequest\x1a\x19.omnistage.v1.TensorChunk0\x01\x12\x46\n\x07Release\x12\x1c.omnistage.v1.ReleaseRequest\x1a\x1d.omnistage.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19omnistage/v1/tensor.proto\x12\x0comnistage.v1\"z\n\x06ShmRef\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x18\n\x10producer_address\x18\x06 \x01(\t\"\x94\x01\n\nCudaIpcRef\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x12\n\nipc_handle\x18\x02 \x01(\x0c\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x18\n\x10producer_address\x18\x07 \x01(\t\"7\n\tRemoteRef\x12\x18\n\x10producer_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\xe8\x01\n\tTensorRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x15\n\x0binline_data\x18\x05 \x01(\x0cH\x00\x12#\n\x03shm\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.ShmRefH\x00\x12,\n\x08\x63uda_ipc\x18\x07 \x01(\x0b\x32\x18.omnistage.v1.CudaIpcRefH\x00\x12)\n\x06remote\x18\x08 \x01(\x0b\x32\x17.omnistage.v1.RemoteRefH\x00\x42\n\n\x08location\"\x95\x01\n\nStageState\x12(\n\x07tensors\x18\x01 \x03(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x30\n\x04meta\x18\x02 \x03(\x0b\x32\".omnistage.v1.StageState.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"5\n\x0c\x46\x65tchRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"+\n\x0bTensorChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r2\x97\x01\n\x0bTensorStore\x12@\n\x05\x46\x65tch\x12\x1a.omnistage.v1.FetchRequest\x1a\x19.omnistage.v1.TensorChunk0\x01\x12\x46\n\x07Release\x12\x1c.omnistage.v1.ReleaseRequest\x1a\x1d.omnistage.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGESTATE_METAENTRY']._loaded_options = None
   _globals['_STAGESTATE_METAENTRY']._serialized_options = b'8\001'
   _globals['_SHMREF']._serialized_start=43
-  _globals['_SHMREF']._serialized_end=139
-  _globals['_CUDAIPCREF']._serialized_start=142
-  _globals['_CUDAIPCREF']._serialized_end=290
-  _globals['_REMOTEREF']._serialized_start=292
-  _globals['_REMOTEREF']._serialized_end=347
-  _globals['_TENSORREF']._serialized_start=350
-  _globals['_TENSORREF']._serialized_end=582
-  _globals['_STAGESTATE']._serialized_start=585
-  _globals['_STAGESTATE']._serialized_end=734
-  _globals['_STAGESTATE_METAENTRY']._serialized_start=691
-  _globals['_STAGESTATE_METAENTRY']._serialized_end=734
-  _globals['_FETCHREQUEST']._serialized_start=736
-  _globals['_FETCHREQUEST']._serialized_end=789
-  _globals['_TENSORCHUNK']._serialized_start=791
-  _globals['_TENSORCHUNK']._serialized_end=834
-  _globals['_RELEASEREQUEST']._serialized_start=836
-  _globals['_RELEASEREQUEST']._serialized_end=871
-  _globals['_RELEASERESPONSE']._serialized_start=873
-  _globals['_RELEASERESPONSE']._serialized_end=908
-  _globals['_TENSORSTORE']._serialized_start=911
-  _globals['_TENSORSTORE']._serialized_end=1062
+  _globals['_SHMREF']._serialized_end=165
+  _globals['_CUDAIPCREF']._serialized_start=168
+  _globals['_CUDAIPCREF']._serialized_end=316
+  _globals['_REMOTEREF']._serialized_start=318
+  _globals['_REMOTEREF']._serialized_end=373
+  _globals['_TENSORREF']._serialized_start=376
+  _globals['_TENSORREF']._serialized_end=608
+  _globals['_STAGESTATE']._serialized_start=611
+  _globals['_STAGESTATE']._serialized_end=760
+  _globals['_STAGESTATE_METAENTRY']._serialized_start=717
+  _globals['_STAGESTATE_METAENTRY']._serialized_end=760
+  _globals['_FETCHREQUEST']._serialized_start=762
+  _globals['_FETCHREQUEST']._serialized_end=815
+  _globals['_TENSORCHUNK']._serialized_start=817
+  _globals['_TENSORCHUNK']._serialized_end=860
+  _globals['_RELEASEREQUEST']._serialized_start=862
+  _globals['_RELEASEREQUEST']._serialized_end=897
+  _globals['_RELEASERESPONSE']._serialized_start=899
+  _globals['_RELEASERESPONSE']._serialized_end=934
+  _globals['_TENSORSTORE']._serialized_start=937
+  _globals['_TENSORSTORE']._serialized_end=1088
 # @@protoc_insertion_point(module_scope)

@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShmRef(_message.Message):
-    __slots__ = ("arena_id", "offset", "nbytes", "lease_id", "generation")
+    __slots__ = ("arena_id", "offset", "nbytes", "lease_id", "generation", "producer_address")
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     arena_id: str
     offset: int
     nbytes: int
     lease_id: str
     generation: int
-    def __init__(self, arena_id: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    producer_address: str
+    def __init__(self, arena_id: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., producer_address: _Optional[str] = ...) -> None: ...
 
 class CudaIpcRef(_message.Message):
     __slots__ = ("gpu_uuid", "ipc_handle", "offset", "nbytes", "lease_id", "event_handle", "producer_address")

@@ -103,7 +103,8 @@ class RequestFlow:
         self.transport = transport
         self.stage_timeout_s = stage_timeout_s
         self.checkpoint_every = checkpoint_every
-        self.cache = cache or StepCache(transport, max_bytes=0, max_age_s=0.0)
+        # (not `cache or ...`: an empty cache has len 0, so it is falsy)
+        self.cache = cache if cache is not None else StepCache(transport, max_bytes=0, max_age_s=0.0)
 
     async def run(
         self,
@@ -367,6 +368,8 @@ class PlanRun:
     async def _produce(self, step: PlanStep) -> StepOutput:
         cached = self._from_cache(step)
         if cached is not None:
+            finished = cpb.StageFinished(stage=step.stage, step=step.name, cached=True)
+            await self.req.emit(cpb.GenerateEvent(stage_finished=finished))
             return cached
         for attempt in range(RECOMPUTES + 1):
             outputs = await self._inputs_ready(step)

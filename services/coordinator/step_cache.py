@@ -77,6 +77,11 @@ class StepCache:
             "Bytes of cached step outputs (held in their producers' memory)",
             registry=registry,
         ).set_function(lambda: self.nbytes)
+        Gauge(
+            "omnistage_coordinator_step_cache_entries",
+            "Cached step outputs",
+            registry=registry,
+        ).set_function(lambda: len(self._entries))
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_common.runtime.config import CoordinatorConfig, StageConfig
 from omni_common.runtime.stage_service import serve_stage
@@ -18,6 +20,8 @@ from services.ar_encoder.worker import EncoderWorker
 from services.coordinator.server import serve_coordinator
 from services.dit_denoise.worker import DenoiseWorker
 from services.vae_decode.worker import DecodeWorker
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 WORKERS = {"ar-encoder": EncoderWorker, "dit-denoise": DenoiseWorker, "vae-decode": DecodeWorker}
 
@@ -101,3 +105,15 @@ def cluster(tiny_model: Path) -> Iterator[InProcessCluster]:
     running.start()
     yield running
     running.stop()
+
+
+def scrape(port: int) -> Samples:
+    """One scrape, parsed by prometheus_client's own parser of the text format."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=")
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

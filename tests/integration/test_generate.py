@@ -75,6 +75,9 @@ BAD_REQUESTS = [
     ({"prompt": "x" * 100_000}, InvalidArgument, "prompt"),
     ({"model": "no-such-model"}, NotFound, "unknown model"),
     ({"request_id": "../etc"}, InvalidArgument, "request_id"),
+    ({"images": [Image.new("RGB", (64, 64))]}, InvalidArgument, "takes no input images"),
+    ({"images": [b"\x89PNG not really"]}, InvalidArgument, "image"),
+    ({"options": {"strength": "0.5"}}, InvalidArgument, "strength"),
 ]
 
 

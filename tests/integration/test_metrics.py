@@ -12,16 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from omni_common.client import Client
 from omni_common.cluster import free_port
 from omni_common.errors import NotFound
 from omni_common.runtime.rpc import sync_channel
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-from tests.integration.conftest import WORKERS, InProcessCluster
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+from tests.integration.conftest import WORKERS, InProcessCluster, Samples, scrape
 
 # 64x64 packs into (64/16)^2 image tokens; many steps keep the DiT busy long enough to watch.
 TOKENS = (64 // 16) ** 2
@@ -39,18 +36,6 @@ def metered(tiny_model: Path) -> Iterator[tuple[InProcessCluster, dict[str, int]
     running.start()
     yield running, ports
     running.stop()
-
-
-def scrape(port: int) -> Samples:
-    """One scrape, parsed by prometheus_client's own parser of the text format."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        assert response.headers["Content-Type"].startswith("text/plain; version=")
-        text = response.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def stage_value(samples: Samples, name: str, stage: str, **labels: str) -> float:

@@ -108,3 +108,29 @@ def test_remote_errors_map_to_omni_errors() -> None:
         tr.release([ref.remote.lease_id])
 
     with_store(body)
+
+
+def test_a_shm_ref_routed_off_its_host_is_fetched_and_a_gone_producer_is_not_found(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A handle made for a consumer on the producer's host reaches one on another host (a step
+    that failed over): it is fetched from the producer's store; once the producer is gone, the
+    tensor is NOT_FOUND (produce it again), not UNAVAILABLE (which would blame the consumer)."""
+
+    async def body(tr: TensorTransport, address: str) -> None:
+        t = torch.randn(64, 1000)
+        state = tr.export_state({"kv": t}, {})
+        ref = state.tensors[0]
+        assert ref.WhichOneof("location") == "shm" and ref.shm.producer_address == address
+        elsewhere = TensorTransport(shm_dir=tmp_path, host_id="another-host")
+        try:
+            got, _ = await elsewhere.import_state(state)
+            assert torch.equal(got["kv"], t)
+            gone = tensor_pb2.TensorRef()
+            gone.CopyFrom(ref)
+            gone.shm.producer_address = "127.0.0.1:1"  # nothing listens there
+            with pytest.raises(NotFound, match="cannot be reached"):
+                await elsewhere.import_state(tensor_pb2.StageState(tensors=[gone]))
+        finally:
+            elsewhere.close()
+        tr.release(tr.lease_ids(state))
+
+    with_store(body)

@@ -48,9 +48,12 @@ class GlmImageConditionKv:
         self.vae_scale_factor = vae_scale_factor
 
     def cost(self, call: RoleCall) -> int:
-        """Condition tokens: a condition image of W x H pixels is (H/16)(W/16) of them."""
-        multiple = self.vae_scale_factor * self.transformer.config["patch_size"]
-        return sum((image.width // multiple) * (image.height // multiple) for image in call.request.images)
+        """Condition tokens: (h/2)(w/2) per condition image of h x w latents."""
+        patch = self.transformer.config["patch_size"]
+        return sum(
+            (latent.shape[-2] // patch) * (latent.shape[-1] // patch)
+            for latent in condition_latents(call.inputs).values()
+        )
 
     def run_batch(self, calls: Sequence[RoleCall]) -> list[StageState]:
         return [self.condition_kv(call) for call in calls]
@@ -58,9 +61,12 @@ class GlmImageConditionKv:
     @torch.inference_mode()
     def condition_kv(self, call: RoleCall) -> StageState:
         """The write-mode forwards of one request's condition images."""
-        latents = [self._latents(call.inputs, i) for i in range(len(call.request.images))]
+        # The stage sees the latents, not the images: their count is the images'.
+        latents = [self._latents(call.inputs, i) for i in range(len(condition_latents(call.inputs)))]
         if not latents:
-            raise InvalidArgument("condition-kv got a request without input images")
+            raise InvalidArgument(
+                f"condition-kv needs {condition_latents_name(0)!r} (and one per further image)"
+            )
         prior_ids = self._prior_ids(call.inputs, latents)
         config = self.transformer.config
         cache = GlmImageKVCache(num_layers=config["num_layers"])
@@ -147,18 +153,25 @@ def check_token_ids(ids: torch.Tensor, vocabulary: int, name: str) -> None:
         raise InvalidArgument(f"{name} holds ids outside [0, {vocabulary})")
 
 
+def condition_latents(inputs: StageState) -> dict[str, torch.Tensor]:
+    """The condition images' latents among `inputs`, numbered from 0 without gaps."""
+    found: dict[str, torch.Tensor] = {}
+    while (latent := inputs.tensors.get(condition_latents_name(len(found)))) is not None:
+        found[condition_latents_name(len(found))] = latent
+    return found
+
+
 def checked_condition_kv(
-    tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], *, edit: bool
+    tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The condition keys/values among a denoise call's tensors: required for an edit request,
-    refused for a text-to-image one, shaped for the transformer of `config`."""
+    """The condition keys/values among a denoise call's tensors (an edit request's; None for a
+    text-to-image one: the denoise stage sees the KV, not the images), both or neither, shaped
+    for the transformer of `config`."""
     keys, values = tensors.get(CONDITION_K), tensors.get(CONDITION_V)
-    if not edit:
-        if keys is not None or values is not None:
-            raise InvalidArgument("condition keys/values were given for a request without input images")
+    if keys is None and values is None:
         return None
     if keys is None or values is None:
-        raise InvalidArgument(f"an edit request needs the tensors {CONDITION_K!r} and {CONDITION_V!r}")
+        raise InvalidArgument(f"condition keys/values come as a pair: {CONDITION_K!r} and {CONDITION_V!r}")
     expected = (config["num_layers"], 1, config["num_attention_heads"], config["attention_head_dim"])
     if (
         keys.dim() != 5

@@ -131,7 +131,7 @@ class GlmImageDenoiser:
         prompt_embeds = self._glyph(tensors, "prompt_embeds")
         negative = self._glyph(tensors, "negative_prompt_embeds") if cfg else None
         prior_token_ids = self._prior_token_ids(tensors, request)
-        condition = checked_condition_kv(tensors, self.transformer.config, edit=bool(request.images))
+        condition = checked_condition_kv(tensors, self.transformer.config)
         condition_k = condition_v = None
         if condition is not None:
             condition_k, condition_v = (t.to(device=self.device, dtype=self.dtype) for t in condition)

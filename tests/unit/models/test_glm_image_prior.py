@@ -18,8 +18,8 @@ from PIL import Image
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
 from omni_common.models.base import GenerationRequest, ImageInput, StageState, input_image_name
-from omni_common.models.glm_image.fixture import build_tiny_fixture
 from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
+from omni_common.models.glm_image.reference import load_pipeline, reference_prior
 
 CPU = torch.device("cpu")
 
@@ -35,8 +35,8 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_fixture(tmp_path_factory.mktemp("glm-image") / "model")
+def model_dir(glm_model: Path) -> Path:
+    return glm_model
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,7 @@ def prior(model_dir: Path) -> GlmImagePrior:
 
 @pytest.fixture(scope="module")
 def pipeline(model_dir: Path) -> GlmImagePipeline:
-    pipe = GlmImagePipeline.from_pretrained(model_dir)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_pipeline(model_dir)
 
 
 def png(width: int, height: int, seed: int = 0) -> tuple[Image.Image, bytes]:
@@ -104,20 +102,7 @@ def test_text_to_image_alone_samples_the_pipelines_tokens(
     assert output.tensors["prior_token_ids"].dtype == torch.int64
     assert torch.equal(output.tensors["prior_token_ids"], expected)
     # Every sampled token, not only the target's: the whole of `generate`.
-    inputs = pipeline.processor.apply_chat_template(
-        [[{"role": "user", "content": [{"type": "text", "text": request.prompt}]}]],
-        tokenize=True,
-        padding=False,
-        target_h=height,
-        target_w=width,
-        return_dict=True,
-        return_tensors="pt",
-    )
-    torch.manual_seed(seed)
-    generated = pipeline.vision_language_encoder.generate(
-        **inputs, max_new_tokens=len(sampled), do_sample=True
-    )
-    assert torch.equal(sampled, generated[0, inputs["input_ids"].shape[1] :])
+    assert torch.equal(sampled, reference_prior(pipeline, request).sampled)
     assert output.meta == {"tokens": str(len(sampled))}
     assert not prior.slots.active
 
@@ -133,37 +118,11 @@ def test_edit_alone_samples_the_models_tokens(prior: GlmImagePrior, pipeline: Gl
     sampled = state.sampled.clone()
     output = prior.finish(state)
 
-    model = pipeline.vision_language_encoder
-    content = [{"type": "image", "image": condition}, {"type": "text", "text": request.prompt}]
-    batch = pipeline.processor.apply_chat_template(
-        [[{"role": "user", "content": content}]],
-        tokenize=True,
-        padding=False,
-        target_h=64,
-        target_w=64,
-        return_dict=True,
-        return_tensors="pt",
-    )
-    source = batch["image_grid_thw"][:1]
-    tokens = model.get_image_tokens(
-        model.get_image_features(batch["pixel_values"], source).pooler_output, source
-    )
-    _, rows, columns = source[0].tolist()
-    condition_ids = GlmImagePipeline._upsample_token_ids(tokens, rows, columns).squeeze(0)
-    total, offset, target_rows, target_columns = GlmImagePipeline._compute_generation_params(
-        batch["image_grid_thw"], is_text_to_image=False
-    )
-    torch.manual_seed(5)
-    generated = model.generate(**batch, max_new_tokens=total, do_sample=True)[
-        0, batch["input_ids"].shape[1] :
-    ]
-    target = generated[offset : offset + target_rows * target_columns]
-
-    assert torch.equal(sampled, generated)
-    assert torch.equal(output.tensors["prior_token_image_ids"], condition_ids)
+    expected = reference_prior(pipeline, request, [condition])
+    assert torch.equal(sampled, expected.sampled)
+    for name in ("prior_token_ids", "prior_token_image_ids", "source_image_grid_thw"):
+        assert torch.equal(output.tensors[name], expected.tensors[name]), name
     assert torch.equal(output.tensors["source_image_grid_thw"], torch.tensor([[1, 4, 4]]))
-    expected = GlmImagePipeline._upsample_token_ids(target, target_rows, target_columns)
-    assert torch.equal(output.tensors["prior_token_ids"], expected)
 
 
 # (prompt, target width, height, condition image sizes): text-to-image requests sample ~255

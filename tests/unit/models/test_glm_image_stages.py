@@ -28,8 +28,13 @@ from omni_common.models.base import (
     input_image_name,
 )
 from omni_common.models.glm_image.denoise import GlmImageDenoiser, GlmImageDenoiseState
-from omni_common.models.glm_image.fixture import build_tiny_fixture
 from omni_common.models.glm_image.glyph import GlmImageGlyphEncoder, glyph_texts
+from omni_common.models.glm_image.reference import (
+    ReferencePrior,
+    load_pipeline,
+    reference_image,
+    reference_prior,
+)
 from omni_common.models.glm_image.vae import GlmImageVae
 
 CPU = torch.device("cpu")
@@ -39,15 +44,13 @@ EDIT_PROMPT = "make it red, add a sign saying 'hat'"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_fixture(tmp_path_factory.mktemp("models") / "glm-image-tiny")
+def model_dir(glm_model: Path) -> Path:
+    return glm_model
 
 
 @pytest.fixture(scope="module")
 def pipe(model_dir: Path) -> GlmImagePipeline:
-    pipeline = GlmImagePipeline.from_pretrained(model_dir)
-    pipeline.set_progress_bar_config(disable=True)
-    return pipeline
+    return load_pipeline(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +76,15 @@ def image_input(data: torch.Tensor) -> ImageInput:
 
 
 def text_prior(pipe: GlmImagePipeline, request: GenerationRequest) -> dict[str, torch.Tensor]:
-    """The AR prior of a text-to-image request (the pipeline's own generate_prior_tokens; ~5 s
-    on the tiny model, whose AR samples ~260 tokens: computed once per request)."""
+    """The AR prior of a text-to-image request (~5 s on the tiny model, whose AR samples ~260
+    tokens: computed once per prompt, size and seed)."""
     key = (request.prompt, request.width, request.height, request.seed)
     if key not in AR_PRIORS:
-        AR_PRIORS[key], _, _ = pipe.generate_prior_tokens(
-            prompt=request.prompt,
-            height=request.height,
-            width=request.width,
-            generator=torch.Generator().manual_seed(request.seed),
-        )
-    return {"prior_token_ids": AR_PRIORS[key]}
+        AR_PRIORS[key] = reference_prior(pipe, request).tensors
+    return AR_PRIORS[key]
 
 
-AR_PRIORS: dict[tuple[str, int, int, int], torch.Tensor] = {}
+AR_PRIORS: dict[tuple[str, int, int, int], dict[str, torch.Tensor]] = {}
 
 
 def random_prior(request: GenerationRequest) -> dict[str, torch.Tensor]:
@@ -99,45 +97,7 @@ def random_prior(request: GenerationRequest) -> dict[str, torch.Tensor]:
 def edit_prior(
     pipe: GlmImagePipeline, request: GenerationRequest, image: Image.Image
 ) -> dict[str, torch.Tensor]:
-    """The AR prior of an edit request with one condition image, as generate_prior_tokens
-    computes it (which crashes on transformers 5.23 in edit mode, so it is spelled out)."""
-    messages = [
-        [
-            {
-                "role": "user",
-                "content": [{"type": "image", "image": image}, {"type": "text", "text": request.prompt}],
-            }
-        ]
-    ]
-    inputs = pipe.processor.apply_chat_template(
-        messages,
-        tokenize=True,
-        padding=False,
-        target_h=request.height,
-        target_w=request.width,
-        return_dict=True,
-        return_tensors="pt",
-    )
-    grids = inputs["image_grid_thw"]
-    source = grids[:1]
-    model = pipe.vision_language_encoder
-    features = model.get_image_features(inputs["pixel_values"], source).pooler_output
-    image_ids = model.get_image_tokens(features, source)
-    _, h, w = source[0].tolist()
-    image_ids = GlmImagePipeline._upsample_token_ids(image_ids, h, w).squeeze(0)
-    max_new, offset, th, tw = GlmImagePipeline._compute_generation_params(grids, is_text_to_image=False)
-    torch.manual_seed(request.seed)
-    generated = model.generate(**inputs, max_new_tokens=max_new, do_sample=True)[
-        0, inputs["input_ids"].shape[-1] :
-    ]
-    prior = GlmImagePipeline._upsample_token_ids(generated[offset : offset + th * tw], th, tw)
-    upsampled_grid = source.clone()
-    upsampled_grid[:, 1:] *= 2
-    return {
-        "prior_token_ids": prior,
-        "prior_token_image_ids": image_ids,
-        "source_image_grid_thw": upsampled_grid,
-    }
+    return reference_prior(pipe, request, [image]).tensors
 
 
 def pipeline_image(
@@ -147,25 +107,7 @@ def pipeline_image(
     images: Sequence[Image.Image] = (),
 ) -> torch.Tensor:
     """diffusers' image for `request` on the given prior tokens (float [3, H, W] in [0, 1])."""
-    edit = {}
-    if images:
-        edit = {
-            "image": list(images),
-            "prior_token_image_ids": [prior["prior_token_image_ids"]],
-            "source_image_grid_thw": [prior["source_image_grid_thw"]],
-        }
-    return pipe(
-        prompt=request.prompt,
-        height=request.height,
-        width=request.width,
-        num_inference_steps=request.num_inference_steps,
-        guidance_scale=request.true_cfg_scale,
-        generator=torch.Generator().manual_seed(request.seed),
-        max_sequence_length=request.max_sequence_length,
-        output_type="pt",
-        prior_token_ids=prior["prior_token_ids"],
-        **edit,
-    ).images[0]
+    return reference_image(pipe, request, images, ReferencePrior(torch.empty(0), prior))
 
 
 def call(request: GenerationRequest, **tensors: torch.Tensor) -> RoleCall:
@@ -285,8 +227,7 @@ def test_bfloat16_edit_equals_pipeline_bitwise(model_dir: Path) -> None:
     """The pipeline's dtypes: noise, embeddings, condition latents and keys in the model dtype,
     float32 predictions (so float32 latents from the second step on), a bfloat16 image."""
     dtype = torch.bfloat16
-    pipe = GlmImagePipeline.from_pretrained(model_dir, dtype=dtype)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_pipeline(model_dir, dtype)
     runners = (
         GlmImageGlyphEncoder.load(model_dir, CPU, dtype),
         GlmImageVae.load(model_dir, CPU, dtype),
@@ -445,10 +386,10 @@ def test_bad_inputs_raise_invalid_argument(pipe, runners, model_dir: Path) -> No
     fails(good, "multiples", replace(request, width=72))
     data = png(1)
     edit = replace(request, images=(image_input(data),))
-    fails(good, "condition_kv", edit)
     kv = torch.zeros(2, 1, 16, 2, 8)
-    fails(good | {"condition_kv.k": kv, "condition_kv.v": kv[:, :, :3]}, "condition", edit)
-    fails(good | {"condition_kv.k": kv, "condition_kv.v": kv}, "without input images")
+    fails(good | {"condition_kv.k": kv}, "pair")
+    fails(good | {"condition_kv.k": kv, "condition_kv.v": kv[:, :, :3]}, "condition")
+    fails(good | {"condition_kv.k": kv[:1], "condition_kv.v": kv[:1]}, "condition")
 
     encoder, condition = vae.runners["vae-encode"], denoiser.condition_kv
     with pytest.raises(InvalidArgument, match="input image 0"):
@@ -460,7 +401,8 @@ def test_bad_inputs_raise_invalid_argument(pipe, runners, model_dir: Path) -> No
     with pytest.raises(InvalidArgument, match="prior_token_image_ids"):
         condition.run_batch([call(edit, **latents)])
     with pytest.raises(InvalidArgument, match=r"condition_latents\.0"):
-        condition.run_batch([call(edit, prior_token_image_ids=ids, source_image_grid_thw=grid)])
+        condition.run_batch([call(request, prior_token_image_ids=ids, source_image_grid_thw=grid)])
+    assert condition.cost(call(request, **latents)) == 16
     with pytest.raises(InvalidArgument, match="tokens"):
         condition.run_batch(
             [call(edit, **latents, prior_token_image_ids=ids, source_image_grid_thw=grid * 2)]

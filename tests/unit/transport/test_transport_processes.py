@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,10 +68,16 @@ def test_sweep_removes_a_killed_producers_segments_only(make_transport) -> None:
         assert theirs <= shm_files()
         assert sweep_stale_segments(SHM) == 0  # the producer is alive: untouched
         os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=10)
+        # Killed but not yet reaped (a zombie, as under a supervisor that has not waited yet):
+        # already dead for the sweep.
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         assert theirs <= shm_files()
         assert sweep_stale_segments(SHM) == 2
         assert not theirs & shm_files()
+        child.wait(timeout=10)
         assert {f"omnistage-{live.token}-0", f"omnistage-{live.token}-leases"} <= shm_files()
     finally:
         if child.poll() is None:
