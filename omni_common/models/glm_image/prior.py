@@ -49,6 +49,7 @@ from omni_common.models.glm_image.prior_inputs import (
     logits_processors,
     processor_inputs,
     rope_positions,
+    row_wise_key,
 )
 from omni_common.models.weights import load_component
 
@@ -64,6 +65,7 @@ class PriorState(StepState):
     slot: Slot
     generator: torch.Generator
     processors: LogitsProcessorList
+    sampling_key: Hashable | None  # equal for states whose processors can run as one batch
     eos: frozenset[int]
     sequence: torch.Tensor  # [1, prompt + total_steps] int64: the prompt, then the sampled tokens
     prompt_length: int
@@ -149,7 +151,8 @@ class GlmImagePrior:
                 total_steps=total,
                 slot=slot,
                 generator=torch.Generator(self.device).manual_seed(request.seed),
-                processors=logits_processors(self.model, input_ids, total),
+                processors=(processors := logits_processors(self.model, input_ids, total)),
+                sampling_key=row_wise_key(processors),
                 eos=frozenset(eos_ids(self.model)),
                 sequence=torch.cat([input_ids, input_ids.new_zeros(1, total)], dim=1),
                 prompt_length=prompt_length,
@@ -224,18 +227,30 @@ class GlmImagePrior:
         no state but the generators, so a step that fails here can be run again."""
         scores = logits[:, -1].to(copy=True, dtype=torch.float32)
         finite = torch.isfinite(scores).all(dim=-1).tolist()
-        picked: list[torch.Tensor | None] = []
-        for row, (state, ok) in enumerate(zip(states, finite, strict=True)):
-            if not ok:
-                picked.append(None)
-                continue
+        probs = self.probabilities(states, scores)
+        return [
+            torch.multinomial(probs[row : row + 1], num_samples=1, generator=state.generator) if ok else None
+            for row, (state, ok) in enumerate(zip(states, finite, strict=True))
+        ]
+
+    def probabilities(self, states: Sequence[PriorState], scores: torch.Tensor) -> torch.Tensor:
+        """softmax(processors(scores)) of each row. When every state has the same processors and
+        they read nothing but their row's scores (`row_wise_key`), one call covers the batch:
+        each row's arithmetic is its own either way, and the step's host time is per call. Other
+        processors run per row, over the tokens that row has seen."""
+        keys = {state.sampling_key for state in states}
+        if len(keys) == 1 and None not in keys:
+            processed = scores
+            for processor in states[0].processors:
+                processed = processor(cast(torch.LongTensor, None), cast(torch.FloatTensor, processed))
+            return torch.nn.functional.softmax(processed, dim=-1)
+        rows: list[torch.Tensor] = []
+        for row, state in enumerate(states):
             seen = state.sequence[:, : state.prompt_length + state.step_index]
-            row_scores = state.processors(
-                cast(torch.LongTensor, seen), cast(torch.FloatTensor, scores[row : row + 1])
+            rows.append(
+                state.processors(cast(torch.LongTensor, seen), cast(torch.FloatTensor, scores[row : row + 1]))
             )
-            probs = torch.nn.functional.softmax(row_scores, dim=-1)
-            picked.append(torch.multinomial(probs, num_samples=1, generator=state.generator))
-        return picked
+        return torch.nn.functional.softmax(torch.cat(rows), dim=-1)
 
     def append(self, states: Sequence[PriorState], picked: Sequence[torch.Tensor | None]) -> None:
         """Record each state's new token; a state without one is no longer finite (and fails)."""

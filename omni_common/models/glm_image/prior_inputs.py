@@ -5,6 +5,7 @@ around the AR model's sampling for one prompt: the input images and the processo
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, cast
 
 import torch
@@ -14,6 +15,10 @@ from transformers import (
     GlmImageForConditionalGeneration,
     GlmImageProcessor,
     LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from omni_common.errors import InvalidArgument
@@ -111,6 +116,18 @@ def logits_processors(
         device=input_ids.device,
         model_kwargs={},
     )
+
+
+# Processors whose output row depends on that row's scores alone (not on the tokens seen).
+ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def row_wise_key(processors: LogitsProcessorList) -> Hashable | None:
+    """What makes two requests' processors interchangeable (their types and settings), or None
+    when one of them reads more than its row's scores."""
+    if not all(type(processor) in ROW_WISE for processor in processors):
+        return None
+    return tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors)
 
 
 def rope_positions(
