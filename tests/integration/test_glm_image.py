@@ -5,8 +5,10 @@ reused by later requests with the same image, and hostile requests are refused."
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 
 from omni_common.client import Client, GenerationResult
 from omni_common.cluster import free_port
-from omni_common.errors import Cancelled, InvalidArgument, OmniError
+from omni_common.errors import Cancelled, DeadlineExceeded, InvalidArgument, OmniError
 from omni_common.models.glm_image.reference import load_pipeline
 from omnistage.v1 import coordinator_pb2 as cpb
 from tests.glm import pipeline_image, png
@@ -198,6 +200,24 @@ def test_cancel_between_tokens_stops_the_prior_and_frees_everything(glm: InProce
     assert generate(glm, EDIT_PROMPT, 5, [png(5)]).tensor is not None
 
 
+def test_a_deadline_stops_the_prior_between_tokens(glm: InProcessCluster) -> None:
+    """A 256x256 image samples 321 tokens (~1.5 s here): a 0.4 s deadline ends it mid-way."""
+    with Client(glm.coordinator) as client, pytest.raises(DeadlineExceeded):
+        client.generate("late", width=256, height=256, steps=2, timeout=0.4)
+    wait_until_only_the_cache_holds_leases(glm)
+    assert generate(glm, EDIT_PROMPT, 6, [png(6)]).tensor is not None
+
+
+def zero_size_png() -> bytes:
+    """A PNG whose header says 0x0 (PIL writes none such: built by hand)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 0, 0, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
 def truncated_png() -> bytes:
     data = png(9)
     return data[: len(data) // 2]
@@ -206,6 +226,7 @@ def truncated_png() -> bytes:
 HOSTILE = {
     "not an image": ({"images": [b"hello, not a picture"]}, "image"),
     "empty image": ({"images": [b""]}, "image"),
+    "0x0 image": ({"images": [zero_size_png()]}, "image"),
     "truncated image": ({"images": [truncated_png()]}, "image"),
     "too wide": ({"images": [png(1, width=4128, height=32)]}, "4096"),
     "side not a multiple of 32": ({"images": [png(1, width=48, height=64)]}, "multiples of 32"),
