@@ -1,14 +1,57 @@
-"""What flow-matching denoisers share about their latents: checkpoints (latents + step index:
-flow-matching Euler draws no noise after the first latents, so that is all another replica
-needs) and a cheap preview picture."""
+"""What flow-matching denoisers share about their latents: the state's latents and scheduler,
+the end and NaN checks, checkpoints (latents + step index: flow-matching Euler draws no noise
+after the first latents, so that is all another replica needs) and a cheap preview picture."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import StageState
+from omni_common.models.base import StageState, StepState
+
+
+@dataclass(kw_only=True)
+class LatentState(StepState):
+    """A denoising request in flight: its latents and its own (stateful) scheduler."""
+
+    latents: torch.Tensor
+    scheduler: FlowMatchEulerDiscreteScheduler  # stateful (its step index): one per request
+
+
+class LatentSteps:
+    """The StepRunner methods every flow-matching denoiser shares; the family's denoiser sets
+    `device` and `dtype` and may say in which dtype resumed latents continue."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def is_done(self, state: StepState) -> bool:
+        return state.step_index >= state.total_steps
+
+    def is_finite(self, state: StepState) -> bool:
+        assert isinstance(state, LatentState)
+        return bool(torch.isfinite(state.latents).all())
+
+    def checkpoint(self, state: StepState) -> StageState:
+        """The latents and the step index: the rest (timesteps, sigmas) follows from the
+        request and its inputs."""
+        assert isinstance(state, LatentState)
+        return latent_checkpoint(state.latents, state.step_index)
+
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
+        assert isinstance(state, LatentState)
+        latents, step_index = read_checkpoint(checkpoint, state.latents.shape, state.total_steps)
+        state.latents = latents.to(device=self.device, dtype=self.resumed_dtype(step_index))
+        state.step_index = step_index
+        state.scheduler.set_begin_index(step_index)
+
+    def resumed_dtype(self, step_index: int) -> torch.dtype:
+        """The dtype of the latents after `step_index` steps."""
+        return self.dtype
 
 
 def latent_checkpoint(latents: torch.Tensor, step_index: int) -> StageState:

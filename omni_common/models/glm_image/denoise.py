@@ -45,16 +45,14 @@ from omni_common.models.glm_image.condition import (
     read_cache,
 )
 from omni_common.models.glm_image.vae import vae_scale_factor_for
-from omni_common.models.latents import latent_checkpoint, latent_preview, read_checkpoint
+from omni_common.models.latents import LatentState, LatentSteps, latent_preview
 from omni_common.models.weights import load_component
 
 
 @dataclass(kw_only=True)
-class GlmImageDenoiseState(StepState):
+class GlmImageDenoiseState(LatentState):
     """One request in flight: latents [1, C, H/8, W/8] and its own (stateful) scheduler."""
 
-    latents: torch.Tensor
-    scheduler: FlowMatchEulerDiscreteScheduler
     timesteps: torch.Tensor
     prompt_embeds: torch.Tensor  # [1, L, D] in the model dtype
     negative_prompt_embeds: torch.Tensor | None  # [1, L', D] with CFG
@@ -69,7 +67,7 @@ class GlmImageDenoiseState(StepState):
         return self.negative_prompt_embeds is not None
 
 
-class GlmImageDenoiser:
+class GlmImageDenoiser(LatentSteps):
     """GlmImageTransformer2DModel with flow-matching Euler: the dit-denoise stage model, with
     its "denoise" role (this StepRunner) and its "condition-kv" role (a BatchRunner)."""
 
@@ -274,33 +272,15 @@ class GlmImageDenoiser:
         )[0]
         return output.float()
 
-    def is_done(self, state: StepState) -> bool:
-        return state.step_index >= state.total_steps
-
-    def is_finite(self, state: StepState) -> bool:
-        assert isinstance(state, GlmImageDenoiseState)
-        return bool(torch.isfinite(state.latents).all())
-
     def preview(self, state: StepState) -> np.ndarray:
         """The current latents as a small picture (H/8 x W/8): the first three latent channels
         as RGB, each stretched to 0..255. Cheap; no VAE."""
         assert isinstance(state, GlmImageDenoiseState)
         return latent_preview(state.latents[0])
 
-    def checkpoint(self, state: StepState) -> StageState:
-        """The latents and the step index: the rest follows from the request and the inputs,
-        and flow-matching Euler draws no noise after the first latents."""
-        assert isinstance(state, GlmImageDenoiseState)
-        return latent_checkpoint(state.latents, state.step_index)
-
-    def restore(self, state: StepState, checkpoint: StageState) -> None:
-        assert isinstance(state, GlmImageDenoiseState)
-        latents, step_index = read_checkpoint(checkpoint, state.latents.shape, state.total_steps)
-        # After a step the latents are float32 (see the module docstring); before, model dtype.
-        dtype = self.dtype if step_index == 0 else torch.float32
-        state.latents = latents.to(device=self.device, dtype=dtype)
-        state.step_index = step_index
-        state.scheduler.set_begin_index(step_index)
+    def resumed_dtype(self, step_index: int) -> torch.dtype:
+        """After a step the latents are float32 (see the module docstring); before, model dtype."""
+        return self.dtype if step_index == 0 else torch.float32
 
     def finish(self, state: StepState) -> StageState:
         """{"latents": [1, C, H/8, W/8]} with meta "height"/"width" in pixels."""

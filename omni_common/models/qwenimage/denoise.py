@@ -29,7 +29,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
-from omni_common.models.latents import latent_checkpoint, latent_preview, read_checkpoint
+from omni_common.models.latents import LatentState, LatentSteps, latent_preview
 from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
 from omni_common.models.weights import load_component
 from omni_common.runtime.cuda_graphs import Inputs
@@ -50,11 +50,9 @@ def vae_scale_factor_for(model_dir: Path) -> int:
 
 
 @dataclass(kw_only=True)
-class QwenImageDenoiseState(StepState):
+class QwenImageDenoiseState(LatentState):
     """One request in flight: packed latents [1, seq, C*4] and its own scheduler."""
 
-    latents: torch.Tensor
-    scheduler: FlowMatchEulerDiscreteScheduler  # stateful (step index): one per request
     timesteps: torch.Tensor
     img_shapes: list[list[tuple[int, int, int]]]  # [[(frames, patch rows, patch cols)]]
     prompt_embeds: torch.Tensor
@@ -63,7 +61,7 @@ class QwenImageDenoiseState(StepState):
     negative_prompt_embeds_mask: torch.Tensor | None = None
 
 
-class QwenImageDenoiser:
+class QwenImageDenoiser(LatentSteps):
     """QwenImageTransformer2DModel with flow-matching Euler and dynamic shift: the dit-denoise
     stage model, and its "denoise" role (a StepRunner)."""
 
@@ -282,13 +280,6 @@ class QwenImageDenoiser:
             inputs["mask"] = mask
         return transformer_forward(self.transformer, inputs, img_shapes)
 
-    def is_done(self, state: StepState) -> bool:
-        return state.step_index >= state.total_steps
-
-    def is_finite(self, state: StepState) -> bool:
-        assert isinstance(state, QwenImageDenoiseState)
-        return bool(torch.isfinite(state.latents).all())
-
     def preview(self, state: StepState) -> np.ndarray:
         """The current latents as a small picture: unpacked to [C, h, w], the first three
         latent channels mapped to RGB, each stretched to 0..255. Cheap; no VAE."""
@@ -298,19 +289,6 @@ class QwenImageDenoiser:
             state.latents.float().cpu(), request.height, request.width, self.vae_scale_factor
         )
         return latent_preview(latents[0, :, 0])
-
-    def checkpoint(self, state: StepState) -> StageState:
-        """The latents and the step index: the rest (sigmas, timesteps) follows from the
-        request, and flow-matching Euler draws no noise after the first latents."""
-        assert isinstance(state, QwenImageDenoiseState)
-        return latent_checkpoint(state.latents, state.step_index)
-
-    def restore(self, state: StepState, checkpoint: StageState) -> None:
-        assert isinstance(state, QwenImageDenoiseState)
-        latents, step_index = read_checkpoint(checkpoint, state.latents.shape, state.total_steps)
-        state.latents = latents.to(device=self.device, dtype=self.dtype)
-        state.step_index = step_index
-        state.scheduler.set_begin_index(step_index)
 
     def forget_cuda_graphs(self) -> None:
         if self.graphed is not None:
