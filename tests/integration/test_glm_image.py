@@ -201,9 +201,16 @@ def test_cancel_between_tokens_stops_the_prior_and_frees_everything(glm: InProce
 
 
 def test_a_deadline_stops_the_prior_between_tokens(glm: InProcessCluster) -> None:
-    """A 256x256 image samples 321 tokens (~1.5 s here): a 0.4 s deadline ends it mid-way."""
+    """A 1024x1024 image samples over a thousand tokens (seconds here): a deadline after its
+    first tokens ends it mid-way, and everything it held is freed."""
+    tokens: list[int] = []
+    total = 0
     with Client(glm.coordinator) as client, pytest.raises(DeadlineExceeded):
-        client.generate("late", width=256, height=256, steps=2, timeout=0.4)
+        for event in client.events("late", width=1024, height=1024, steps=2, timeout=0.6):
+            if event.HasField("tokens"):
+                tokens.append(event.tokens.tokens)
+                total = event.tokens.total
+    assert tokens and max(tokens) < total  # it was sampling when the deadline passed
     wait_until_only_the_cache_holds_leases(glm)
     assert generate(glm, EDIT_PROMPT, 6, [png(6)]).tensor is not None
 
