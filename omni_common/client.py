@@ -11,6 +11,9 @@ paths or encoded bytes); family options as `options={"name": value}` (ListModels
 
         edited = client.generate("make the sky red", images=["photo.png"], model="glm-image")
 
+Models that write and speak (Qwen2.5-Omni) answer `chat` (text and audio as they stream; see
+omni_common.chat) and `speak` (the whole reply).
+
 `AsyncClient` has the same methods as coroutines / async iterators. Failures raise the
 typed errors of omni_common.errors (InvalidArgument, NotFound, DeadlineExceeded, ...).
 """
@@ -27,6 +30,7 @@ import grpc
 import numpy as np
 from PIL import Image
 
+from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
 from omni_common.runtime.rpc import aio_channel, sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
@@ -210,7 +214,9 @@ class Client:
         self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> Iterator[cpb.GenerateEvent]:
         """Stream the GenerateEvents of one request (kwargs as in `generate_request`)."""
-        request = generate_request(prompt, **kwargs)  # type: ignore[arg-type]
+        yield from self._stream(generate_request(prompt, **kwargs), timeout)  # type: ignore[arg-type]
+
+    def _stream(self, request: cpb.GenerateRequest, timeout: float | None) -> Iterator[cpb.GenerateEvent]:
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             yield from call
@@ -218,6 +224,22 @@ class Client:
             raise error_from_rpc(err) from None
         finally:
             call.cancel()
+
+    def chat(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Iterator[ChatPiece]:
+        """The reply to `prompt` as it streams: TextDelta and SpeechChunk pieces (kwargs as in
+        omni_common.chat.chat_request: audio, speaker, model, seed, ...)."""
+        builder = ReplyBuilder(time.perf_counter())
+        for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+            piece = builder.add(event, time.perf_counter())
+            if piece is not None:
+                yield piece
+
+    def speak(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Reply:
+        """The whole reply to `prompt`: text, audio and timings (kwargs as in `chat`)."""
+        builder = ReplyBuilder(time.perf_counter())
+        for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+            builder.add(event, time.perf_counter())
+        return builder.build()
 
     def generate_result(self, prompt: str, **kwargs: object) -> GenerationResult:
         builder = ResultBuilder()
@@ -283,7 +305,12 @@ class AsyncClient:
     async def events(
         self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> AsyncIterator[cpb.GenerateEvent]:
-        request = generate_request(prompt, **kwargs)  # type: ignore[arg-type]
+        async for event in self._stream(generate_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+            yield event
+
+    async def _stream(
+        self, request: cpb.GenerateRequest, timeout: float | None
+    ) -> AsyncIterator[cpb.GenerateEvent]:
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             async for event in call:
@@ -292,6 +319,21 @@ class AsyncClient:
             raise error_from_rpc(err) from None
         finally:
             call.cancel()
+
+    async def chat(
+        self, prompt: str, *, timeout: float | None = None, **kwargs: object
+    ) -> AsyncIterator[ChatPiece]:
+        builder = ReplyBuilder(time.perf_counter())
+        async for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+            piece = builder.add(event, time.perf_counter())
+            if piece is not None:
+                yield piece
+
+    async def speak(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Reply:
+        builder = ReplyBuilder(time.perf_counter())
+        async for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+            builder.add(event, time.perf_counter())
+        return builder.build()
 
     async def generate_result(self, prompt: str, **kwargs: object) -> GenerationResult:
         builder = ResultBuilder()

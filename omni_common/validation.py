@@ -70,6 +70,10 @@ def check_options(options: Mapping[str, str], specs: tuple[OptionSpec, ...], fam
             names = ", ".join(known) or "none"
             raise InvalidArgument(f"{family} has no option {name[:MAX_OPTION_CHARS]!r}; its options: {names}")
         shown = text[:MAX_OPTION_CHARS]
+        if spec.type == "str":
+            if len(text) > MAX_OPTION_CHARS or not text.replace("_", "").replace("-", "").isalnum():
+                raise InvalidArgument(f"option {name} is {shown!r}; it must be a name of letters and digits")
+            continue
         try:
             value = float(text) if spec.type == "float" else int(text)
         except ValueError:

@@ -33,6 +33,14 @@ def glm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_fixture(tmp_path_factory.mktemp("models") / "glm-image-tiny")
 
 
+@pytest.fixture(scope="session")
+def omni_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen2.5-Omni fixture (transformers layout), built once per session."""
+    from omni_common.models.qwen_omni.fixture import build_tiny_fixture
+
+    return build_tiny_fixture(tmp_path_factory.mktemp("models") / "qwen-omni-tiny")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_segment_left_behind() -> Iterator[None]:
     """After the whole suite, no omnistage shared-memory segment may remain."""

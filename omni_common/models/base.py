@@ -227,6 +227,26 @@ class StepRunner(Protocol):
         ...
 
 
+class StreamingRunner(StepRunner, Protocol):
+    """A StepRunner whose requests stream: outputs leave in chunks while the request runs
+    (`take_partial`), and, for a plan step with `streamed` inputs, inputs arrive in chunks
+    (`feed`); a state steps only when `ready` (it has the input its next step needs).
+    The first input chunk comes with `prepare`."""
+
+    def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
+        """Add the next input chunk (in order); `end`: no more will come."""
+        ...
+
+    def ready(self, state: StepState) -> bool:
+        """Whether the next step of `state` has its input."""
+        ...
+
+    def take_partial(self, state: StepState) -> StageState | None:
+        """The output made since the last call, as the next chunk; None when there is none.
+        Called after every step; a finished state's last chunk is taken before `finish`."""
+        ...
+
+
 class AsyncRunner(Protocol):
     """A runner that batches and queues by itself (a vLLM engine, a cache in front of a model)."""
 
@@ -280,6 +300,9 @@ class PlanStep:
     progress: Literal["", "steps", "tokens"] = ""
     resumable: bool = False
     cache_key: str = ""
+    # Consumed tensors that arrive as a stream of chunks (partial outputs of their producer,
+    # a StreamingRunner): the step starts with the first chunk instead of the whole output.
+    streamed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -299,6 +322,10 @@ class Plan:
             if step.name in names:
                 raise ValueError(f"plan step {step.name!r} appears twice")
             missing = [t for t in step.consumes if t not in produced and not t.startswith(INPUT_PREFIX)]
+            if any(t not in step.consumes or t.startswith(INPUT_PREFIX) for t in step.streamed):
+                raise ValueError(f"plan step {step.name!r} streams inputs it does not consume from a step")
+            if len({self.producer(t) for t in step.streamed} - {None}) > 1:
+                raise ValueError(f"plan step {step.name!r} streams inputs of more than one step")
             if missing:
                 raise ValueError(
                     f"plan step {step.name!r} consumes {missing}, which no earlier step produces"
@@ -327,9 +354,9 @@ class OptionSpec:
     """A family option (GenerationParams.options[name]): its type, default and range."""
 
     name: str
-    type: Literal["float", "int"]
+    type: Literal["float", "int", "str"]
     default: str
-    minimum: float
+    minimum: float  # ranges of "float" and "int"; a "str" is a name the stages check
     maximum: float
     description: str
 
@@ -340,7 +367,7 @@ class ModelCard:
 
     inputs: tuple[str, ...] = ("text",)  # "text", "image"
     max_images: int = 0
-    outputs: tuple[str, ...] = ("image",)
+    outputs: tuple[str, ...] = ("image",)  # "image", or "text" and "audio"
     options: tuple[OptionSpec, ...] = ()
     # Defaults of the optional GenerationParams fields that differ from omnistage's own.
     defaults: Mapping[str, float] = field(default_factory=dict)

@@ -24,10 +24,22 @@ def _glm_image() -> ModelFamily:
     return GlmImageFamily()
 
 
+def _qwen_omni() -> ModelFamily:
+    from omni_common.models.qwen_omni.family import QwenOmniFamily
+
+    return QwenOmniFamily()
+
+
 # name -> factory; imports stay lazy so a service only imports the family it serves.
-_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"qwenimage": _qwenimage, "glm-image": _glm_image}
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {
+    "qwenimage": _qwenimage,
+    "glm-image": _glm_image,
+    "qwen2.5-omni": _qwen_omni,
+}
 # diffusers pipeline class (model_index.json "_class_name") -> family name
 _PIPELINE_CLASSES = {"QwenImagePipeline": "qwenimage", "GlmImagePipeline": "glm-image"}
+# transformers model type (config.json "model_type") of a directory without model_index.json
+_MODEL_TYPES = {"qwen2_5_omni": "qwen2.5-omni"}
 
 
 def family_names() -> list[str]:
@@ -51,8 +63,19 @@ def find_family(name: str) -> ModelFamily | None:
 
 
 def family_for_model_dir(model_dir: Path) -> ModelFamily:
-    """The family of a diffusers model directory, from its model_index.json `_class_name`."""
+    """The family of a model directory: a diffusers pipeline's model_index.json `_class_name`, or
+    a transformers model's config.json `model_type`."""
     index = Path(model_dir) / "model_index.json"
+    config = Path(model_dir) / "config.json"
+    if not index.is_file() and config.is_file():
+        try:
+            model_type = json.loads(config.read_text()).get("model_type")
+        except (ValueError, AttributeError) as exc:
+            raise InvalidArgument(
+                f"model {model_name_for_dir(model_dir)!r}: config.json is not valid"
+            ) from exc
+        if model_type in _MODEL_TYPES:
+            return get_family(_MODEL_TYPES[model_type])
     try:
         class_name = json.loads(index.read_text())["_class_name"]
     except FileNotFoundError as exc:

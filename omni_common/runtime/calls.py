@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from omni_common.models.base import GenerationRequest, RoleCall, StageState
+from omni_common.runtime.feeds import Inbox
 
 
 @dataclass
@@ -18,6 +19,8 @@ class Progress:
     step_ms: float = 0.0
     preview_png: bytes = b""
     checkpoint: StageState | None = None
+    # A chunk of the call's streamed output (StreamingRunner.take_partial).
+    partial: StageState | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class StageCall:
     deadline: float | None = None
     checkpoint_every: int = 0
     resume: StageState | None = None
+    # A streaming call's later input chunks (`inputs` holds chunk 0); None when not streaming.
+    inbox: Inbox | None = None
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline

@@ -89,6 +89,7 @@ class StepRole:
             max_queue=limits.max_queue,
             name=name,
         )
+        self.streams = self.scheduler.streaming is not None  # takes streamed inputs
 
     def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         return self.scheduler.run(call)

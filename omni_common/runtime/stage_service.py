@@ -24,6 +24,7 @@ from omni_common.imaging import input_images
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.feeds import Chunk, Feeds
 from omni_common.runtime.memory import Transition
 from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, keep_registered
@@ -103,6 +104,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.transport = transport
         self.max_pixels = max_pixels
         self.draining = False
+        self.feeds = Feeds()
         self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight)
 
     def info(self) -> stage_pb2.StageInfo:
@@ -138,6 +140,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             step_ms=progress.step_ms,
             preview_png=progress.preview_png,
         )
+        if progress.partial is not None:
+            # The caller owns these leases (it releases them once the chunk's readers finished).
+            event.partial.CopyFrom(
+                self.transport.export_state(
+                    progress.partial.tensors, progress.partial.meta, consumer=consumer
+                )
+            )
         if progress.checkpoint is not None:
             checkpoint = progress.checkpoint
             # The coordinator owns these leases from here (it releases superseded ones). No
@@ -177,7 +186,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # How the metrics count this call; it stays CANCELLED when the caller goes away (the
         # generator is then closed at a `yield`, which no except clause here sees).
         code = grpc.StatusCode.CANCELLED
+        inbox = None
         try:
+            if request.streaming:  # first, so that Feed calls find it however early they come
+                check_request_id(request.request_id)
+                inbox = self.feeds.open(rid, request.role)
             gen = self._check(request)
             await self.worker.ensure_awake()
             remaining = context.time_remaining()
@@ -206,6 +219,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 deadline=None if remaining is None else time.monotonic() + remaining,
                 checkpoint_every=request.checkpoint_every,
                 resume=resume,
+                inbox=inbox,
             )
             async for item in self.worker.run(call):
                 if isinstance(item, Progress):
@@ -219,7 +233,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     # Inputs mapped from the GPU memory of the previous stage are released
                     # when the coordinator hears this result: the reads must have run.
                     await self.transport.finish_imports(
-                        [*tensors.values(), *(resume.tensors.values() if resume is not None else [])]
+                        [
+                            *tensors.values(),
+                            *(resume.tensors.values() if resume is not None else []),
+                            *(inbox.imported if inbox is not None else []),
+                        ]
                     )
                     yield stage_pb2.StageEvent(
                         result=stage_pb2.StageResult(output=output, compute_ms=compute_ms)
@@ -244,8 +262,25 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 f"internal error in {self.worker.stage} (request {rid}); see the service log",
             )
         finally:
+            if inbox is not None:
+                self.feeds.close(rid, request.role)
             self.worker.in_flight -= 1
             self.metrics.requests.finished(code)
+
+    async def Feed(
+        self, request: stage_pb2.FeedRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.FeedReply:
+        try:
+            check_request_id(request.request_id)
+            inbox = await self.feeds.find(request.request_id, request.role)
+            tensors, meta = await self.transport.import_state(request.chunk)
+            check_finite(tensors)
+            inbox.imported.extend(tensors.values())
+            inbox.put(request.index, Chunk(StageState(tensors, meta), request.end))
+        except OmniError as err:
+            log.info("feed of request %s: %s %s", request.request_id[:128], err.code.name, err.message)
+            await abort(context, err)
+        return stage_pb2.FeedReply()
 
 
 async def serve_stage(

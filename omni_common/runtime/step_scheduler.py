@@ -11,11 +11,17 @@ Requests join and leave between any two steps. Each iteration:
 Serving the oldest job's group first keeps it first come, first served: a request waits
 at most for the requests that arrived before it, never for a stream of later ones.
 A step that fails is retried job by job, so one bad request fails alone.
+
+A streaming runner (omni_common.models.base.StreamingRunner) also sends each job's output
+in chunks as it is made (a progress event carrying the chunk after the step that made it), and
+takes a streaming call's later input chunks from its inbox between steps; a job steps only when
+it is `ready` (its next step's input has arrived), so a waiting job never holds up others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,10 +30,11 @@ from typing import Any, TypeVar
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.imaging import to_png
-from omni_common.models.base import StageState, StepRunner, StepState
+from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
 from omni_common.runtime.calls import Progress, StageCall
 
 log = logging.getLogger("omnistage.steps")
+IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are checked
 T = TypeVar("T")
 Compute = Callable[..., Awaitable[Any]]
 
@@ -41,6 +48,7 @@ class Job:
     cost: int  # compute units of one step
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     gone: bool = False  # the caller stopped listening (cancelled, disconnected, done)
+    pump: asyncio.Task[None] | None = None  # moves a streaming call's input chunks in
 
 
 def _preview_png(runner: StepRunner, state: StepState) -> bytes:
@@ -71,6 +79,9 @@ class StepScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._left: list[StepState] = []  # states of jobs that left unfinished, to release
+        self.streaming: StreamingRunner | None = (
+            runner if hasattr(runner, "take_partial") else None  # type: ignore[assignment]
+        )
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
@@ -95,6 +106,8 @@ class StepScheduler:
                 raise
         job = Job(call, state, self.runner.step_cost(state))
         self.jobs.append(job)
+        if call.inbox is not None:
+            job.pump = asyncio.create_task(self._pump(job))
         self._ensure_loop()
         try:
             while True:
@@ -106,7 +119,26 @@ class StepScheduler:
                     return
         finally:
             job.gone = True
+            if job.pump is not None:
+                job.pump.cancel()
             self._wake.set()
+
+    async def _pump(self, job: Job) -> None:
+        """Feed a streaming call's input chunks to its state, between steps."""
+        assert job.call.inbox is not None and self.streaming is not None
+        try:
+            async for chunk in job.call.inbox.chunks():
+                if job.gone or job not in self.jobs:
+                    return
+                await self.compute(self.streaming.feed, job.state, chunk.state, chunk.end)
+                self._wake.set()
+        except OmniError as err:
+            self._retire(job, err)
+        except Exception:
+            self._fail(job)
+
+    def _ready(self, job: Job) -> bool:
+        return self.streaming is None or self.streaming.ready(job.state)
 
     def close(self) -> None:
         if self._task is not None:
@@ -124,6 +156,11 @@ class StepScheduler:
             if not self.jobs:
                 self._wake.clear()
                 await self._wake.wait()
+                continue
+            if not any(self._ready(job) for job in self.jobs):
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), IDLE_CHECK_S)
                 continue
             batch = self._pick()
             try:
@@ -155,10 +192,11 @@ class StepScheduler:
                 )
 
     def _pick(self) -> list[Job]:
-        oldest = self.jobs[0]
+        ready = [job for job in self.jobs if self._ready(job)]
+        oldest = ready[0]
         key = self.runner.batch_key(oldest.state)
         batch, cost = [oldest], oldest.cost
-        for job in self.jobs[1:]:
+        for job in ready[1:]:
             if len(batch) >= self.max_batch:
                 break
             if self.runner.batch_key(job.state) == key and cost + job.cost <= self.max_tokens:
@@ -214,8 +252,11 @@ class StepScheduler:
         done = state.step_index
         every = max(call.progress_every, 1)
         checkpoint = call.checkpoint_every and done % call.checkpoint_every == 0 and done < state.total_steps
-        if done % every == 0 or done == state.total_steps or checkpoint:
-            progress = Progress(step=done, total=state.total_steps, step_ms=step_ms)
+        partial = None
+        if self.streaming is not None:
+            partial = await self.compute(self.streaming.take_partial, state)
+        if done % every == 0 or done == state.total_steps or checkpoint or partial is not None:
+            progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
             if call.preview_every and (done % call.preview_every == 0 or done == state.total_steps):
                 progress.preview_png = await self.compute(_preview_png, self.runner, state)
             if checkpoint:

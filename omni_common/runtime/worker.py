@@ -170,7 +170,10 @@ class Worker:
 
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
-        async for item in self.handler(call.role).run(call):
+        handler = self.handler(call.role)
+        if call.inbox is not None and not getattr(handler, "streams", False):
+            raise InvalidArgument(f"role {call.role or self.roles[0]!r} does not take streamed inputs")
+        async for item in handler.run(call):
             yield item
 
     def manage_memory(

@@ -9,15 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_FLOAT32: _ClassVar[AudioFormat]
+
 class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     IMAGE_FORMAT_PNG: _ClassVar[ImageFormat]
     IMAGE_FORMAT_RGB8: _ClassVar[ImageFormat]
+AUDIO_FORMAT_PCM16: AudioFormat
+AUDIO_FORMAT_FLOAT32: AudioFormat
 IMAGE_FORMAT_PNG: ImageFormat
 IMAGE_FORMAT_RGB8: ImageFormat
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format", "preview_every", "inputs")
+    __slots__ = ("params", "request_id", "return_tensor", "progress_every", "image_format", "preview_every", "inputs", "audio_format")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_TENSOR_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +32,7 @@ class GenerateRequest(_message.Message):
     IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_EVERY_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     params: _stage_pb2.GenerationParams
     request_id: str
     return_tensor: bool
@@ -32,7 +40,8 @@ class GenerateRequest(_message.Message):
     image_format: ImageFormat
     preview_every: int
     inputs: _containers.RepeatedCompositeFieldContainer[InputMedia]
-    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputMedia, _Mapping]]] = ...) -> None: ...
+    audio_format: AudioFormat
+    def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputMedia, _Mapping]]] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ...) -> None: ...
 
 class InputMedia(_message.Message):
     __slots__ = ("image",)
@@ -101,7 +110,7 @@ class RawChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Result(_message.Message):
-    __slots__ = ("image", "width", "height", "tensor", "total_ms", "image_format", "kind")
+    __slots__ = ("image", "width", "height", "tensor", "total_ms", "image_format", "kind", "text", "sample_rate", "audio_samples")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +118,9 @@ class Result(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     width: int
     height: int
@@ -116,7 +128,32 @@ class Result(_message.Message):
     total_ms: float
     image_format: ImageFormat
     kind: str
-    def __init__(self, image: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., kind: _Optional[str] = ...) -> None: ...
+    text: str
+    sample_rate: int
+    audio_samples: int
+    def __init__(self, image: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorRef, _Mapping]] = ..., total_ms: _Optional[float] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., kind: _Optional[str] = ..., text: _Optional[str] = ..., sample_rate: _Optional[int] = ..., audio_samples: _Optional[int] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("step", "text")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    step: str
+    text: str
+    def __init__(self, step: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class AudioChunk(_message.Message):
+    __slots__ = ("index", "sample_rate", "format", "data", "offset")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    sample_rate: int
+    format: AudioFormat
+    data: bytes
+    offset: int
+    def __init__(self, index: _Optional[int] = ..., sample_rate: _Optional[int] = ..., format: _Optional[_Union[AudioFormat, str]] = ..., data: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
@@ -127,7 +164,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error", "tokens")
+    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error", "tokens", "text", "audio")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STAGE_STARTED_FIELD_NUMBER: _ClassVar[int]
     STAGE_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +173,8 @@ class GenerateEvent(_message.Message):
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     stage_started: StageStarted
     stage_finished: StageFinished
@@ -144,7 +183,9 @@ class GenerateEvent(_message.Message):
     result: Result
     error: Error
     tokens: TokenProgress
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., tokens: _Optional[_Union[TokenProgress, _Mapping]] = ...) -> None: ...
+    text: TextDelta
+    audio: AudioChunk
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., tokens: _Optional[_Union[TokenProgress, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -39,7 +39,7 @@ class GenerationParams(_message.Message):
     def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace", "role")
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace", "role", "streaming")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class StageRequest(_message.Message):
     CONSUMER_GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_IPC_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: GenerationParams
     input: _tensor_pb2.StageState
@@ -64,21 +65,24 @@ class StageRequest(_message.Message):
     consumer_gpu_uuid: str
     consumer_ipc_namespace: int
     role: str
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_gpu_uuid: _Optional[str] = ..., consumer_ipc_namespace: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_gpu_uuid: _Optional[str] = ..., consumer_ipc_namespace: _Optional[int] = ..., role: _Optional[str] = ..., streaming: _Optional[bool] = ...) -> None: ...
 
 class StepProgress(_message.Message):
-    __slots__ = ("step", "total", "step_ms", "preview_png", "checkpoint")
+    __slots__ = ("step", "total", "step_ms", "preview_png", "checkpoint", "partial")
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_PNG_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     step: int
     total: int
     step_ms: float
     preview_png: bytes
     checkpoint: _tensor_pb2.StageState
-    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ..., preview_png: _Optional[bytes] = ..., checkpoint: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ...) -> None: ...
+    partial: _tensor_pb2.StageState
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., step_ms: _Optional[float] = ..., preview_png: _Optional[bytes] = ..., checkpoint: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., partial: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ...) -> None: ...
 
 class StageEvent(_message.Message):
     __slots__ = ("step", "result")
@@ -95,6 +99,24 @@ class StageResult(_message.Message):
     output: _tensor_pb2.StageState
     compute_ms: float
     def __init__(self, output: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class FeedRequest(_message.Message):
+    __slots__ = ("request_id", "role", "index", "chunk", "end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    role: str
+    index: int
+    chunk: _tensor_pb2.StageState
+    end: bool
+    def __init__(self, request_id: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., chunk: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class FeedReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StageInfoRequest(_message.Message):
     __slots__ = ()

@@ -45,6 +45,11 @@ class StageStub:
                 request_serializer=omnistage_dot_v1_dot_stage__pb2.StageInfoRequest.SerializeToString,
                 response_deserializer=omnistage_dot_v1_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.Feed = channel.unary_unary(
+                '/omnistage.v1.Stage/Feed',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.FeedRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.FeedReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -69,6 +74,15 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Feed(self, request, context):
+        """Hands a streaming Run call its next input chunk. NOT_FOUND when no such call is running
+        here (it ended, failed or never started within a few seconds), INVALID_ARGUMENT for bad
+        tensors or an index too far ahead, RESOURCE_EXHAUSTED when too many chunks wait.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +95,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=omnistage_dot_v1_dot_stage__pb2.StageInfoRequest.FromString,
                     response_serializer=omnistage_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+            ),
+            'Feed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Feed,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.FeedRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.FeedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +157,33 @@ class Stage:
             '/omnistage.v1.Stage/Info',
             omnistage_dot_v1_dot_stage__pb2.StageInfoRequest.SerializeToString,
             omnistage_dot_v1_dot_stage__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Feed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.Stage/Feed',
+            omnistage_dot_v1_dot_stage__pb2.FeedRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.FeedReply.FromString,
             options,
             channel_credentials,
             insecure,

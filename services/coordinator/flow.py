@@ -13,6 +13,10 @@ checkpoint every few steps and resumes on another replica from the latest one (o
 start if that checkpoint is gone); the result equals the uninterrupted one. When a step's
 inputs are gone (their producer died, or a cached output expired), the steps that produced
 them run again: seeded steps give the same tensors, so the image is the same.
+
+Some steps stream (streams.py): their outputs leave in chunks while they run, a step that
+takes them as a stream starts with the first chunk and is fed the rest, and the result step's
+chunks go to the client as they come (AudioChunk), as does text any step writes (TextDelta).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from omni_common.audio import encode_audio
 from omni_common.errors import DeadlineExceeded, NotFound, OmniError, Unavailable, error_from_rpc
 from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
 from omni_common.runtime.rpc import CHUNK_BYTES
@@ -37,6 +42,7 @@ from services.coordinator.leases import Leases
 from services.coordinator.offload import SwapPolicy
 from services.coordinator.registry import Replica, ReplicaPool
 from services.coordinator.step_cache import CachedOutput, StepCache
+from services.coordinator.streams import Stream, feed
 
 log = logging.getLogger("omnistage.coordinator")
 
@@ -64,6 +70,14 @@ class _Request:
     # Per resumable step: its latest checkpoint and the replica that holds it.
     checkpoints: dict[str, tuple[str, tensor_pb2.StageState]] = field(default_factory=dict)
     failovers: list[str] = field(default_factory=list)
+    # Per streaming step: the chunks it sent so far.
+    streams: dict[str, Stream] = field(default_factory=dict)
+    text: list[str] = field(default_factory=list)  # the reply's text, as TextDelta events sent it
+    audio_samples: int = 0  # samples sent in AudioChunk events
+    audio_chunks: int = 0
+
+    def stream(self, step: str) -> Stream:
+        return self.streams.setdefault(step, Stream())
 
     def timeout(self, stage_timeout_s: float) -> float:
         """The stage call's timeout: the client's remaining time, capped by the stage limit."""
@@ -123,7 +137,7 @@ class RequestFlow:
         run = PlanRun(self, req, plan)
         try:
             result = await run.result()
-            await self._send_result(result.state, options, started, emit)
+            await self._send_result(req, plan.result, result.state, started)
         finally:
             run.close()
             req.leases.release_all()
@@ -142,6 +156,7 @@ class RequestFlow:
         near: str,
         then: PlanStep | None,
         outputs: list[str],
+        stream_in: Stream | None = None,
     ) -> StepOutput:
         """Run `step` on its best replica (near the inputs' host), moving on when one is lost.
         The output's handles suit `then`'s likely replica (CUDA IPC on its GPU, shm on its
@@ -159,7 +174,7 @@ class RequestFlow:
                 if info is not None:
                     consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
             try:
-                state = await self._call(req, step, replica, inputs, consumer, outputs)
+                state = await self._call(req, step, replica, inputs, consumer, outputs, stream_in)
                 return StepOutput(step, replica.address, state)
             except ReplicaLost as lost:
                 tried.add(replica.address)
@@ -182,8 +197,10 @@ class RequestFlow:
         inputs: tensor_pb2.StageState,
         consumer: Consumer,
         outputs: list[str],
+        stream_in: Stream | None = None,
     ) -> tensor_pb2.StageState:
-        """Run one stage call; returns its output handles (their leases are booked in req.leases)."""
+        """Run one stage call; returns its output handles (their leases are booked in req.leases).
+        With `stream_in`, `inputs` holds its first chunk and a feeder sends the rest."""
         request = stage_pb2.StageRequest(
             request_id=req.request_id,
             params=req.params,
@@ -195,6 +212,7 @@ class RequestFlow:
             progress_every=TOKEN_PROGRESS_EVERY if step.progress == "tokens" else req.options.progress_every,
             preview_every=req.options.preview_every if step.progress == "steps" else 0,
             outputs=outputs,
+            streaming=stream_in is not None,
         )
         if step.resumable:
             # Checkpoints serve failover: without another replica to resume on they only cost.
@@ -211,9 +229,15 @@ class RequestFlow:
         started = time.perf_counter()
         result: stage_pb2.StageResult | None = None
         replica.in_flight += 1
+        feeder: asyncio.Task[None] | None = None
         try:
             async with self.offload.turn(replica) if self.offload else contextlib.nullcontext():
-                async for event in replica.stub.Run(request, timeout=timeout):
+                events = replica.stub.Run(request, timeout=timeout)
+                if stream_in is not None:
+                    feeder = asyncio.create_task(
+                        feed(replica.stub, req.request_id, step.role, stream_in, timeout=timeout)
+                    )
+                async for event in events:
                     if event.HasField("step"):
                         await self._on_step(req, step, replica, event.step)
                     elif event.HasField("result"):
@@ -230,6 +254,8 @@ class RequestFlow:
                 raise ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable") from None
             raise error_from_rpc(err) from None
         finally:
+            if feeder is not None:
+                feeder.cancel()
             replica.in_flight -= 1
             self.transport.release(own_leases)
         if result is None:
@@ -263,6 +289,8 @@ class RequestFlow:
     async def _on_step(
         self, req: _Request, step: PlanStep, replica: Replica, progress: stage_pb2.StepProgress
     ) -> None:
+        if progress.HasField("partial"):
+            await self._on_partial(req, step, replica, progress.partial)
         if progress.HasField("checkpoint"):
             req.leases.add(replica.address, progress.checkpoint)
             if step.name in req.checkpoints:
@@ -271,19 +299,61 @@ class RequestFlow:
         if step.progress == "tokens":
             event = cpb.TokenProgress(step=step.name, tokens=progress.step, total=progress.total)
             await req.emit(cpb.GenerateEvent(tokens=event))
-        elif progress.step % max(req.options.progress_every, 1) == 0 or progress.step == progress.total:
+        elif step.progress == "steps" and (
+            progress.step % max(req.options.progress_every, 1) == 0 or progress.step == progress.total
+        ):
             denoise = cpb.DenoiseStep(
                 step=progress.step, total=progress.total, preview_png=progress.preview_png
             )
             await req.emit(cpb.GenerateEvent(step=denoise))
 
+    async def _on_partial(
+        self, req: _Request, step: PlanStep, replica: Replica, partial: tensor_pb2.StageState
+    ) -> None:
+        """A chunk of a streaming step: kept for the steps that stream it in; its text and, from
+        the result step, its audio go to the client."""
+        stream = req.stream(step.name)
+        stream.producer = replica.address
+        req.leases.add(replica.address, partial)
+        if not stream.push(partial):
+            req.leases.drop(replica.address, partial)  # a repeat after a restart
+            return
+        if partial.meta.get("text"):
+            req.text.append(partial.meta["text"])
+            await req.emit(cpb.GenerateEvent(text=cpb.TextDelta(step=step.name, text=partial.meta["text"])))
+        if "audio" not in (ref.name for ref in partial.tensors):
+            return
+        try:  # audio: the client's alone, so its leases end once it is read
+            tensors, meta = await self.transport.import_state(partial)
+            samples = tensors["audio"].to(torch.float32).view(-1).clone()
+        finally:
+            req.leases.drop(replica.address, partial)
+        chunk = cpb.AudioChunk(
+            index=req.audio_chunks,
+            sample_rate=int(meta.get("sample_rate", "0")),
+            format=req.options.audio_format,
+            data=encode_audio(samples, req.options.audio_format),
+            offset=req.audio_samples,
+        )
+        req.audio_chunks += 1
+        req.audio_samples += samples.numel()
+        await req.emit(cpb.GenerateEvent(audio=chunk))
+
     async def _send_result(
         self,
+        req: _Request,
+        step: PlanStep,
         decoded: tensor_pb2.StageState,
-        options: cpb.GenerateRequest,
         started: float,
-        emit: Emit,
     ) -> None:
+        options, emit = req.options, req.emit
+        if "image" not in step.produces:  # a reply: its text and audio went out in chunks
+            kind = "audio" if "audio" in step.produces else "text"
+            result = cpb.Result(kind=kind, text="".join(req.text), audio_samples=req.audio_samples)
+            result.sample_rate = int(decoded.meta.get("sample_rate", "0"))
+            result.total_ms = (time.perf_counter() - started) * 1e3
+            await emit(cpb.GenerateEvent(result=result))
+            return
         tensors, _ = await self.transport.import_state(decoded)
         image_output = self.result_outputs(options)[0]
         result = cpb.Result(
@@ -362,8 +432,54 @@ class PlanRun:
     def _output(self, step: PlanStep) -> asyncio.Task[StepOutput]:
         task = self._tasks.get(step.name)
         if task is None:
-            task = self._tasks[step.name] = asyncio.ensure_future(self._produce(step))
+            task = self._tasks[step.name] = asyncio.ensure_future(self._produce_and_end(step))
         return task
+
+    async def _produce_and_end(self, step: PlanStep) -> StepOutput:
+        """Produce `step`'s output; its stream (if it streams) ends with it, or fails with it."""
+        stream = self.req.stream(step.name)
+        try:
+            output = await (self._produce_streaming(step) if step.streamed else self._produce(step))
+        except Exception as err:
+            stream.fail(err)
+            raise
+        except asyncio.CancelledError:
+            stream.fail(Unavailable(f"request {self.req.request_id}: {step.name} was cancelled"))
+            raise
+        stream.end()
+        return output
+
+    def _wanted(self, step: PlanStep) -> list[str]:
+        """The outputs to ask of `step`: the image in the client's format from an image result."""
+        if step is self.plan.result and "image" in step.produces:
+            return self.flow.result_outputs(self.req.options)
+        return []
+
+    async def _produce_streaming(self, step: PlanStep) -> StepOutput:
+        """A step that takes an input as a stream: it starts once the stream's first chunk exists
+        (its producer runs meanwhile) and its other inputs are whole, and is fed the rest as it
+        comes. A stream is not produced again: one lost with its producer fails the request."""
+        source = self.plan.producer(step.streamed[0])
+        assert source is not None
+        stream = self.req.stream(source.name)
+        source_task = self._output(source)
+        whole = [p for p in self._producers(step) if p is not source]
+        outputs = list(await asyncio.gather(*(self._output(p) for p in whole)))
+        inputs = self._inputs(step, outputs)
+        if await stream.wait(1):
+            inputs.tensors.extend(stream.chunks[0].tensors)
+            inputs.meta.update(stream.chunks[0].meta)
+        near = self._near_host(outputs)
+        producer = self.flow.pool.by_address(stream.producer)
+        if producer is not None and producer.info is not None:
+            near = producer.info.host_id
+        then = next(iter(self.plan.consumers(step)), None)
+        output = await self.flow.run_step(
+            self.req, step, inputs, near=near, then=then, outputs=self._wanted(step), stream_in=stream
+        )
+        for o in [*outputs, await source_task]:
+            self._read_done(o)
+        return output
 
     async def _produce(self, step: PlanStep) -> StepOutput:
         cached = self._from_cache(step)
@@ -376,10 +492,9 @@ class PlanRun:
             inputs = self._inputs(step, outputs)
             near = self._near_host(outputs)
             then = next(iter(self.plan.consumers(step)), None)
-            wanted = self.flow.result_outputs(self.req.options) if step is self.plan.result else []
             try:
                 output = await self.flow.run_step(
-                    self.req, step, inputs, near=near, then=then, outputs=wanted
+                    self.req, step, inputs, near=near, then=then, outputs=self._wanted(step)
                 )
             except NotFound:
                 lost = [o for o in outputs if self._lost(o)]

@@ -25,32 +25,25 @@ no longer accepts), and the prefill uses those same features.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import torch
-from transformers import (
-    DynamicCache,
-    GlmImageForConditionalGeneration,
-    GlmImageProcessor,
-    LogitsProcessorList,
-)
+from transformers import DynamicCache, GlmImageForConditionalGeneration, GlmImageProcessor
 
-from omni_common.errors import OmniError, Unimplemented
+from omni_common.errors import OmniError
 from omni_common.models.base import GenerationRequest, StageState, StepState
-from omni_common.models.glm_image.kv_slots import KVSlots, Slot, use_slot_attention
+from omni_common.models.generation import GenerationState, SlotGenerator
 from omni_common.models.glm_image.prior_inputs import (
     condition_images,
     eos_ids,
     generation_params,
-    logits_processors,
     processor_inputs,
     rope_positions,
-    row_wise_key,
 )
+from omni_common.models.sampling import Sampling
 from omni_common.models.weights import load_component
 
 MAX_SLOTS = 8  # requests in flight (the step scheduler's default batch)
@@ -59,30 +52,21 @@ MAX_TOKENS = 8192
 
 
 @dataclass(kw_only=True, eq=False)
-class PriorState(StepState):
+class PriorState(GenerationState):
     """One request in flight. `step_index` counts the tokens sampled, of `total_steps`."""
 
-    slot: Slot
-    generator: torch.Generator
-    processors: LogitsProcessorList
-    sampling_key: Hashable | None  # equal for states whose processors can run as one batch
-    eos: frozenset[int]
-    sequence: torch.Tensor  # [1, prompt + total_steps] int64: the prompt, then the sampled tokens
-    prompt_length: int
     decode_positions: torch.Tensor  # [3, total_steps] mrope positions of the sampled tokens
     target_offset: int  # where the target image's tokens start among the sampled ones
     target_grid: tuple[int, int]  # (rows, columns) of AR tokens
     condition_ids: torch.Tensor | None = None  # edit mode: [M], upsampled, all images in order
     condition_grids: torch.Tensor | None = None  # edit mode: [images, 3], upsampled
-    finite: bool = True
-    last_token: int = -1  # the latest sampled token, on the host (the end check needs no sync)
 
     @property
     def sampled(self) -> torch.Tensor:
-        return self.sequence[0, self.prompt_length : self.prompt_length + self.step_index]
+        return self.generated
 
 
-class GlmImagePrior:
+class GlmImagePrior(SlotGenerator):
     """GlmImageForConditionalGeneration sampling prior tokens: the "prior" role (a StepRunner).
     Call `release` for a request that leaves without `finish` (it holds a KV slot)."""
 
@@ -96,22 +80,9 @@ class GlmImagePrior:
         max_slots: int = MAX_SLOTS,
         max_tokens: int = MAX_TOKENS,
     ) -> None:
-        use_slot_attention(model)
+        super().__init__(model.model.language_model, device, dtype, max_slots, max_tokens)
         self.model = model
         self.processor = processor
-        self.device = device
-        self.dtype = dtype
-        text: Any = model.config.text_config
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.slots = KVSlots(
-            text.num_hidden_layers,
-            text.num_key_value_heads,
-            head_dim,
-            device=device,
-            dtype=dtype,
-            max_slots=max_slots,
-            max_tokens=max_tokens,
-        )
 
     @classmethod
     def load(
@@ -150,9 +121,7 @@ class GlmImagePrior:
                 step_index=0,
                 total_steps=total,
                 slot=slot,
-                generator=torch.Generator(self.device).manual_seed(request.seed),
-                processors=(processors := logits_processors(self.model, input_ids, total)),
-                sampling_key=row_wise_key(processors),
+                sampling=Sampling.build(self.model, input_ids, total, request.seed, do_sample=True),
                 eos=frozenset(eos_ids(self.model)),
                 sequence=torch.cat([input_ids, input_ids.new_zeros(1, total)], dim=1),
                 prompt_length=prompt_length,
@@ -186,20 +155,13 @@ class GlmImagePrior:
             use_cache=True,
             logits_to_keep=1,
         )
-        layers: list[Any] = list(cache.layers)
-        self.slots.fill(state.slot, [layer.keys for layer in layers], [layer.values for layer in layers])
-        self.append([state], self.sample([state], output.logits))
-
-    def batch_key(self, state: StepState) -> Hashable:
-        return (str(self.device), self.dtype)
-
-    def step_cost(self, state: StepState) -> int:
-        return 1
+        self.fill_slot(state, cache)
+        self.pick([state], output.logits)
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
         """One decode forward for every state not done, then a token each."""
-        live = [s for s in states if isinstance(s, PriorState) and not self.is_done(s)]
+        live = [s for s in self.live(states) if isinstance(s, PriorState)]
         if not live:
             return
         cache = self.slots.batch([state.slot for state in live])
@@ -216,72 +178,8 @@ class GlmImagePrior:
             logits_to_keep=1,
             **cache.attention_kwargs,
         )
-        picked = self.sample(live, output.logits)
+        self.pick(live, output.logits)
         cache.advance()
-        self.append(live, picked)
-
-    def sample(self, states: Sequence[PriorState], logits: torch.Tensor) -> list[torch.Tensor | None]:
-        """The next token [1, 1] of each state from its row of `logits` [rows, 1, vocab], as
-        `generate(do_sample=True)` picks it (float32 scores, its logits processors, softmax,
-        multinomial), from the state's own generator; None for a row holding NaN or Inf. Changes
-        no state but the generators, so a step that fails here can be run again."""
-        scores = logits[:, -1].to(copy=True, dtype=torch.float32)
-        finite = torch.isfinite(scores).all(dim=-1).tolist()
-        probs = self.probabilities(states, scores)
-        return [
-            torch.multinomial(probs[row : row + 1], num_samples=1, generator=state.generator) if ok else None
-            for row, (state, ok) in enumerate(zip(states, finite, strict=True))
-        ]
-
-    def probabilities(self, states: Sequence[PriorState], scores: torch.Tensor) -> torch.Tensor:
-        """softmax(processors(scores)) of each row. When every state has the same processors and
-        they read nothing but their row's scores (`row_wise_key`), one call covers the batch:
-        each row's arithmetic is its own either way, and the step's host time is per call. Other
-        processors run per row, over the tokens that row has seen."""
-        keys = {state.sampling_key for state in states}
-        if len(keys) == 1 and None not in keys:
-            processed = scores
-            for processor in states[0].processors:
-                processed = processor(cast(torch.LongTensor, None), cast(torch.FloatTensor, processed))
-            return torch.nn.functional.softmax(processed, dim=-1)
-        rows: list[torch.Tensor] = []
-        for row, state in enumerate(states):
-            seen = state.sequence[:, : state.prompt_length + state.step_index]
-            rows.append(
-                state.processors(cast(torch.LongTensor, seen), cast(torch.FloatTensor, scores[row : row + 1]))
-            )
-        return torch.nn.functional.softmax(torch.cat(rows), dim=-1)
-
-    def append(self, states: Sequence[PriorState], picked: Sequence[torch.Tensor | None]) -> None:
-        """Record each state's new token; a state without one is no longer finite (and fails)."""
-        found = [token for token in picked if token is not None]
-        values = iter(torch.cat(found).view(-1).tolist() if found else [])  # one sync per step
-        for state, token in zip(states, picked, strict=True):
-            if token is None:
-                state.finite = False
-            else:
-                state.sequence[:, state.prompt_length + state.step_index] = token[:, 0]
-                state.last_token = next(values)
-            state.step_index += 1
-
-    def is_done(self, state: StepState) -> bool:
-        assert isinstance(state, PriorState)
-        if state.step_index >= state.total_steps:
-            return True
-        return state.last_token in state.eos
-
-    def is_finite(self, state: StepState) -> bool:
-        assert isinstance(state, PriorState)
-        return state.finite
-
-    def preview(self, state: StepState) -> np.ndarray | None:
-        return None
-
-    def checkpoint(self, state: StepState) -> StageState | None:
-        return None  # a replica that takes over samples the same tokens again from the seed
-
-    def restore(self, state: StepState, checkpoint: StageState) -> None:
-        raise Unimplemented("the GLM-Image prior does not resume from checkpoints")
 
     def finish(self, state: StepState) -> StageState:
         """{"prior_token_ids": [1, 4hw]} (the target's tokens, upsampled 2x), in edit mode with
@@ -301,14 +199,6 @@ class GlmImagePrior:
             return StageState(tensors=tensors, meta={"tokens": str(state.step_index)})
         finally:
             self.release(state)
-
-    def release(self, state: StepState) -> None:
-        """Free the state's KV slot (idempotent)."""
-        assert isinstance(state, PriorState)
-        self.slots.release(state.slot)
-
-    def forget_cuda_graphs(self) -> None:
-        pass
 
 
 def upsample_2x(tokens: torch.Tensor, rows: int, columns: int) -> torch.Tensor:

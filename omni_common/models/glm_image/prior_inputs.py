@@ -5,21 +5,11 @@ around the AR model's sampling for one prompt: the input images and the processo
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any, cast
 
 import torch
 from PIL import Image
-from transformers import (
-    BatchFeature,
-    GlmImageForConditionalGeneration,
-    GlmImageProcessor,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import BatchFeature, GlmImageForConditionalGeneration, GlmImageProcessor
 
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image
@@ -96,38 +86,6 @@ def generation_params(grids: torch.Tensor, *, edit: bool) -> tuple[int, int, tup
     rows, columns = sizes[0]
     preview = sum(h * w for h, w in sizes[1:])
     return rows * columns + preview + 1, preview, (rows, columns)
-
-
-def logits_processors(
-    model: GlmImageForConditionalGeneration, input_ids: torch.Tensor, total: int
-) -> LogitsProcessorList:
-    """What `generate(max_new_tokens=total, do_sample=True)` applies to the logits, built
-    by its own (private) helpers from the model's generation config: rebuilding the
-    temperature / top-k / top-p / ... rules here would drift from transformers' defaults.
-    The bitwise test against `generate` pins it."""
-    generation: Any = model  # the helpers' `self` annotation is a protocol mypy does not match
-    config, _ = generation._prepare_generation_config(None, max_new_tokens=total, do_sample=True)
-    generation._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=input_ids.device)
-    config.max_length = input_ids.shape[1] + total
-    return generation._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=input_ids.shape[1],
-        encoder_input_ids=input_ids,
-        device=input_ids.device,
-        model_kwargs={},
-    )
-
-
-# Processors whose output row depends on that row's scores alone (not on the tokens seen).
-ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
-def row_wise_key(processors: LogitsProcessorList) -> Hashable | None:
-    """What makes two requests' processors interchangeable (their types and settings), or None
-    when one of them reads more than its row's scores."""
-    if not all(type(processor) in ROW_WISE for processor in processors):
-        return None
-    return tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors)
 
 
 def rope_positions(

@@ -217,7 +217,7 @@ def test_nan_logits_fail_only_their_request(prior: GlmImagePrior) -> None:
     b = prior.prepare(*batch_request(3))
     logits = torch.zeros(2, 1, prior.model.lm_head.out_features)
     logits[0, 0, 5] = float("nan")
-    prior.append([a, b], prior.sample([a, b], logits))
+    prior.pick([a, b], logits)
     assert not prior.is_finite(a) and prior.is_finite(b)
     assert a.step_index == b.step_index == 2
     prior.release(a)

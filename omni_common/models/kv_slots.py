@@ -1,6 +1,8 @@
-"""The GLM-Image prior's KV cache: a slot (a row of preallocated buffers) per request in
+"""The KV cache of a continuously batched autoregressive generator (GLM-Image's prior,
+Qwen2.5-Omni's thinker and talker): a slot (a row of preallocated buffers) per request in
 flight, so decode steps batch requests of different lengths without copying anyone's cache,
-and each request's attention computes exactly what it computes alone.
+and each request's attention computes exactly what it computes alone. Any transformers
+decoder whose attention goes through its attention interface can use it.
 
 Per layer, keys and values live in one buffer [rows, kv_heads, capacity, head_dim]; a request
 holds a row from its prefill to its finish. A decode forward writes each row's new key/value at
@@ -220,14 +222,14 @@ def slot_attention(
     return torch.cat(outputs), None
 
 
-def use_slot_attention(model: Any) -> None:
-    """Make a GlmImageForConditionalGeneration's text model attend through `slot_attention`
-    (registered process-wide under SLOT_ATTENTION, with SDPA's mask rules). Its prefills and any
-    other forward keep transformers' SDPA computation; it must be loaded with SDPA."""
-    text_model = model.model.language_model
+def use_slot_attention(text_model: Any) -> None:
+    """Make a transformers decoder (GLM-Image's `model.model.language_model`, a Qwen2.5-Omni
+    thinker's or talker's `model`) attend through `slot_attention` (registered process-wide
+    under SLOT_ATTENTION, with SDPA's mask rules). Its prefills and any other forward keep
+    transformers' SDPA computation; it must be loaded with SDPA."""
     current = text_model.config._attn_implementation
     if current not in ("sdpa", SLOT_ATTENTION):
-        raise ValueError(f"the GLM-Image prior needs SDPA attention; the model was loaded with {current!r}")
+        raise ValueError(f"slot attention needs a model loaded with SDPA attention, not {current!r}")
     AttentionInterface.register(SLOT_ATTENTION, slot_attention)
     AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)
     text_model.set_attn_implementation(SLOT_ATTENTION)

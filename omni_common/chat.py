@@ -1,0 +1,153 @@
+"""Chat with models that write and speak (Qwen2.5-Omni): the request, and the reply as it
+streams. What `Client.chat` / `Client.speak` use:
+
+    with Client("127.0.0.1:50051") as client:
+        for piece in client.chat("Tell me a story.", speaker="Ethan"):
+            if isinstance(piece, TextDelta):
+                print(piece.text, end="", flush=True)
+            else:  # SpeechChunk: float32 samples at piece.sample_rate, playable at once
+                player.write(piece.samples)
+        reply = client.speak("Say hi.")  # the whole reply: reply.text, reply.audio, reply.save("hi.wav")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from omni_common.audio import decode_audio, write_wav
+from omni_common.errors import OmniError
+from omnistage.v1 import coordinator_pb2 as cpb
+from omnistage.v1 import stage_pb2
+
+AUDIO_FORMATS = {"pcm16": cpb.AUDIO_FORMAT_PCM16, "float32": cpb.AUDIO_FORMAT_FLOAT32}
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text the reply gained."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class SpeechChunk:
+    """The next piece of the spoken reply: float32 samples in [-1, 1]."""
+
+    samples: np.ndarray
+    sample_rate: int
+    offset: int  # samples before it
+
+
+ChatPiece = TextDelta | SpeechChunk
+
+
+@dataclass
+class Reply:
+    """A whole reply: its text, its audio (float32, empty when not spoken) and timings."""
+
+    text: str
+    audio: np.ndarray
+    sample_rate: int
+    request_id: str
+    total_ms: float
+    first_audio_ms: float | None = None  # from the request to the first SpeechChunk
+    stage_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return len(self.audio) / self.sample_rate if self.sample_rate else 0.0
+
+    def save(self, path: str | Path) -> None:
+        """The audio as a 16-bit mono WAV file."""
+        write_wav(Path(path), self.audio, self.sample_rate)
+
+
+def chat_request(
+    prompt: str,
+    *,
+    audio: bool = True,
+    speaker: str | None = None,
+    model: str = "",
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    stream_audio: bool = True,
+    audio_format: str = "float32",
+    request_id: str = "",
+    options: Mapping[str, object] | None = None,
+) -> cpb.GenerateRequest:
+    """The GenerateRequest of one chat turn (options: the model's others, e.g. talker sampling)."""
+    if audio_format not in AUDIO_FORMATS:
+        raise ValueError(f"audio_format must be one of {sorted(AUDIO_FORMATS)}, not {audio_format!r}")
+    chosen: dict[str, object] = {"audio": int(audio), "stream_audio": int(stream_audio), **(options or {})}
+    if speaker is not None:
+        chosen["speaker"] = speaker
+    if max_new_tokens is not None:
+        chosen["max_new_tokens"] = max_new_tokens
+    params = stage_pb2.GenerationParams(
+        model=model, prompt=prompt, seed=seed, options={name: str(value) for name, value in chosen.items()}
+    )
+    return cpb.GenerateRequest(params=params, request_id=request_id, audio_format=AUDIO_FORMATS[audio_format])
+
+
+def chat_piece(event: cpb.GenerateEvent) -> ChatPiece | None:
+    """The text or audio an event carries; None for other events."""
+    kind = event.WhichOneof("event")
+    if kind == "text":
+        return TextDelta(event.text.text)
+    if kind == "audio":
+        chunk = event.audio
+        return SpeechChunk(decode_audio(chunk.data, chunk.format), chunk.sample_rate, chunk.offset)
+    return None
+
+
+class ReplyBuilder:
+    """Folds a chat's GenerateEvents into a Reply."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.request_id = ""
+        self.text: list[str] = []
+        self.audio: list[np.ndarray] = []
+        self.first_audio_ms: float | None = None
+        self.stage_ms: dict[str, float] = {}
+        self.result: cpb.Result | None = None
+
+    def add(self, event: cpb.GenerateEvent, now: float) -> ChatPiece | None:
+        kind = event.WhichOneof("event")
+        if kind == "accepted":
+            self.request_id = event.accepted.request_id
+        elif kind == "stage_finished":
+            self.stage_ms[event.stage_finished.step] = event.stage_finished.wall_ms
+        elif kind == "result":
+            self.result = event.result
+        piece = chat_piece(event)
+        if isinstance(piece, TextDelta):
+            self.text.append(piece.text)
+        elif isinstance(piece, SpeechChunk):
+            if piece.offset != sum(len(samples) for samples in self.audio):
+                raise OmniError("audio chunks arrived out of order", grpc.StatusCode.DATA_LOSS)
+            if self.first_audio_ms is None:
+                self.first_audio_ms = (now - self.started) * 1e3
+            self.audio.append(piece.samples)
+        return piece
+
+    def build(self) -> Reply:
+        if self.result is None:
+            raise OmniError("the stream ended without a result", grpc.StatusCode.DATA_LOSS)
+        audio = np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
+        if len(audio) != self.result.audio_samples:
+            raise OmniError("the reply's audio is incomplete", grpc.StatusCode.DATA_LOSS)
+        return Reply(
+            text=self.result.text,
+            audio=audio,
+            sample_rate=self.result.sample_rate,
+            request_id=self.request_id,
+            total_ms=self.result.total_ms,
+            first_audio_ms=self.first_audio_ms,
+            stage_ms=self.stage_ms,
+        )

@@ -1,0 +1,78 @@
+"""Reading a Qwen2.5-Omni checkpoint (transformers' layout: config.json, model*.safetensors with
+thinker./talker./token2wav. keys, the tokenizer, spk_dict.pt) part by part: each stage loads
+only the sub-model its roles run, never the whole model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
+
+from omni_common.errors import InvalidArgument
+
+SPEAKERS_FILE = "spk_dict.pt"
+
+
+def load_config(model_dir: Path) -> Qwen2_5OmniConfig:
+    return Qwen2_5OmniConfig.from_pretrained(model_dir)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    return [model_dir / "model.safetensors"]
+
+
+def load_part(
+    cls: Any, config: Any, model_dir: Path, prefix: str, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """Sub-model `cls` built from `config` with the checkpoint's `prefix.` weights, in `dtype` on
+    `device`, eval mode, SDPA attention."""
+    model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key.startswith(prefix + "."):
+                    state[key[len(prefix) + 1 :]] = weights.get_tensor(key)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{model_dir.name}: the checkpoint's {prefix} weights do not fit its config "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    module: torch.nn.Module = model
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def load_speakers(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """spk_dict.pt: per speaker, its `cond` vector, `ref_mel` and the thinker's `bos_token`."""
+    speakers: dict[str, dict[str, Any]] = torch.load(model_dir / SPEAKERS_FILE, weights_only=True)
+    return speakers
+
+
+def speaker(speakers: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    """The speaker called `name`; INVALID_ARGUMENT for one the model does not have."""
+    found = speakers.get(name)
+    if found is None:
+        raise InvalidArgument(f"unknown speaker {name[:50]!r}; this model has {', '.join(sorted(speakers))}")
+    return found
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat_input_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> torch.Tensor:
+    """`prompt` as one user turn of the tokenizer's chat template, with the assistant's generation
+    prompt: LongTensor [1, L]."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return torch.tensor([list(ids)], dtype=torch.long)

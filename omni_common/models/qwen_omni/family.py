@@ -1,0 +1,150 @@
+"""The Qwen2.5-Omni model family (transformers' Qwen2_5OmniForConditionalGeneration): a chat
+model that writes its reply and speaks it, as a chain of streaming stages.
+
+`generate(return_audio=True)` runs thinker -> talker -> token2wav one after the other; here
+each is a role on its own stage and each streams into the next:
+- **thinker** (ar-encoder): writes the reply token by token, continuously batched; sends, as it
+  goes, every token's last hidden state + embedding (what the talker reads) and its text;
+- **talker** (ar-encoder): samples codec tokens, one per step, each step reading the next
+  thinker row; it starts when the thinker's first rows exist and sends codes as it goes;
+- **token2wav** (dit-denoise): the audio DiT turns codes into a mel spectrogram by flow
+  matching (RK4, 10 steps, guidance 0.5) in windows of codes as they arrive;
+- **vocoder** (vae-decode): BigVGAN turns mel frames into 24 kHz samples, which reach the
+  client as AudioChunk events while the reply is still being written.
+
+Light on purpose: the coordinator imports it; the runners' modules load with a stage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import (
+    GenerationRequest,
+    ModelCard,
+    ModuleDeclaration,
+    OptionSpec,
+    Plan,
+    PlanStep,
+    RoleSpec,
+    StageContext,
+    StageModel,
+)
+from omni_common.validation import check_options
+
+SAMPLE_RATE = 24_000
+DEFAULT_SPEAKER = "Chelsie"
+
+ROLES = (
+    RoleSpec(
+        "thinker", "ar-encoder", "steps", "Qwen2.5-Omni thinker: writes the reply, streams hidden states"
+    ),
+    RoleSpec("talker", "ar-encoder", "steps", "Qwen2.5-Omni talker: codec tokens from the thinker's stream"),
+    RoleSpec(
+        "token2wav", "dit-denoise", "steps", "token2wav DiT: mel frames from codes (flow matching, RK4)"
+    ),
+    RoleSpec("vocoder", "vae-decode", "steps", "token2wav BigVGAN: 24 kHz samples from mel frames"),
+)
+
+OPTIONS = (
+    OptionSpec("speaker", "str", DEFAULT_SPEAKER, 0, 0, "the voice: a name in the model's spk_dict.pt"),
+    OptionSpec("audio", "int", "1", 0, 1, "1: speak the reply; 0: write it only"),
+    OptionSpec(
+        "stream_audio",
+        "int",
+        "1",
+        0,
+        1,
+        "1: audio in chunks as the talker speaks (windows of 3 DiT blocks); "
+        "0: one chunk at the end, equal to transformers' generate",
+    ),
+    OptionSpec("max_new_tokens", "int", "1024", 1, 8192, "the most tokens the thinker writes"),
+    OptionSpec("talker_max_new_tokens", "int", "4096", 1, 16384, "the most codec tokens the talker says"),
+    OptionSpec("thinker_do_sample", "int", "0", 0, 1, "1: the thinker samples (seeded); 0: greedy"),
+    OptionSpec("talker_do_sample", "int", "1", 0, 1, "1: the talker samples (seeded), as generate does"),
+)
+
+# Paths relative to the stage models; sleep/wake move them.
+MODULES = ModuleDeclaration(roles={"encoder": ("thinker", "talker"), "dit": ("dit",), "vae": ("bigvgan",)})
+
+
+def option_int(request: GenerationRequest, name: str) -> int:
+    spec = next(spec for spec in OPTIONS if spec.name == name)
+    return int(request.option(name, spec.default))
+
+
+def speaker_of(request: GenerationRequest) -> str:
+    return request.option("speaker", DEFAULT_SPEAKER)
+
+
+class QwenOmniFamily:
+    """Qwen2.5-Omni's generate(return_audio=True) split into streaming thinker, talker,
+    token2wav DiT and vocoder roles."""
+
+    name = "qwen2.5-omni"
+    card = ModelCard(
+        inputs=("text",),
+        outputs=("text", "audio"),
+        options=OPTIONS,
+        # The token2wav DiT's solver steps and guidance (Qwen2_5OmniToken2WavModel's defaults).
+        defaults={"num_inference_steps": 10, "true_cfg_scale": 0.5},
+    )
+    roles: tuple[RoleSpec, ...] = ROLES
+    modules: ModuleDeclaration | None = MODULES
+
+    def validate(self, request: GenerationRequest) -> None:
+        check_options(dict(request.options), self.card.options, self.name)
+        if request.negative_prompt:
+            raise InvalidArgument(f"{self.name} takes no negative prompt")
+        if request.images:
+            raise InvalidArgument(
+                f"{self.name} is served with text input only here (audio, image and video input to "
+                "the thinker are not wired yet)"
+            )
+        if request.num_inference_steps < 2:
+            raise InvalidArgument("num_inference_steps (token2wav's solver steps) must be at least 2")
+
+    def plan(self, request: GenerationRequest) -> Plan:
+        """thinker, then (speaking) talker -> token2wav -> vocoder, each fed the previous one's
+        stream as it comes."""
+        thinker = PlanStep(
+            "thinker", "ar-encoder", "thinker", produces=("thinker_states",), progress="tokens"
+        )
+        if not option_int(request, "audio"):
+            return Plan((thinker,))
+        return Plan(
+            (
+                thinker,
+                PlanStep(
+                    "talker",
+                    "ar-encoder",
+                    "talker",
+                    consumes=("thinker_states",),
+                    streamed=("thinker_states",),
+                    produces=("codes",),
+                    progress="tokens",
+                ),
+                PlanStep(
+                    "token2wav",
+                    "dit-denoise",
+                    "token2wav",
+                    consumes=("codes",),
+                    streamed=("codes",),
+                    produces=("mel",),
+                ),
+                PlanStep(
+                    "vocoder",
+                    "vae-decode",
+                    "vocoder",
+                    consumes=("mel",),
+                    streamed=("mel",),
+                    produces=("audio",),
+                ),
+            )
+        )
+
+    def load(self, stage: str, model_dir: Path, context: StageContext) -> StageModel:
+        from omni_common.models.qwen_omni.stages import load_stage
+
+        return load_stage(stage, Path(model_dir), context)

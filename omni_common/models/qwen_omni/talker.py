@@ -1,0 +1,218 @@
+"""Qwen2.5-Omni talker role: codec tokens from the thinker's rows, one row per step, as they
+stream in (continuously batched; generation.py).
+
+Reads like the talker half of `Qwen2_5OmniForConditionalGeneration.generate` for one request:
+the prefill's inputs are the prompt's rows, the speaker's text-bos embedding and the first reply
+row (`talker_inputs_embeds`), over the codec prompt [mask x L, pad, bos] (with no attention mask
+and default positions, as `generate` runs the talker in transformers 5.19); decode step j adds
+the codec embedding of the last code to the j-th element of `thinker_reply_part` — the reply
+rows from the second on, then the text-eos and text-pad embeddings, the pad repeating once all
+are used. Here that list grows as the thinker's chunks arrive: a state is `ready` when its next
+element exists, or when the thinker has ended (eos and pad are then known). Sampling is
+`talker.generate`'s own (top-k 40, top-p 0.8, temperature 0.9, repetition penalty 1.05,
+codec-bos suppressed, eos = codec pad or end) from the request's generator.
+
+Codes leave in chunks of CODES_PER_CHUNK ("codes" [n] int64; the eos is not sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, Qwen2_5OmniTalkerForConditionalGeneration
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import GenerationRequest, StageState, StepState
+from omni_common.models.generation import GenerationState, SlotGenerator
+from omni_common.models.qwen_omni.checkpoint import load_config, load_part
+from omni_common.models.qwen_omni.family import option_int
+from omni_common.models.sampling import Sampling
+
+MAX_SLOTS = 64
+CODES_PER_CHUNK = 12  # one token2wav DiT block (24 mel frames at 2 frames per code)
+# What `generate` passes the talker besides the caps (its keyword defaults).
+TALKER_SAMPLING = {"top_k": 40, "top_p": 0.8, "temperature": 0.9, "repetition_penalty": 1.05}
+
+
+@dataclass(kw_only=True, eq=False)
+class TalkerState(GenerationState):
+    reply: list[torch.Tensor]  # the thinker's rows [1, H] still to read, in order
+    specials: torch.Tensor  # [3, H]: text-bos, text-eos, text-pad embeddings
+    thinker_ended: bool = False
+    eos_given: bool = False
+    codes_sent: int = 0
+
+
+class Talker(SlotGenerator):
+    """The "talker" role (a StreamingRunner)."""
+
+    def __init__(
+        self,
+        model: Qwen2_5OmniTalkerForConditionalGeneration,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_slots: int,
+    ) -> None:
+        super().__init__(model.model, device, dtype, max_slots)
+        self.model = model
+        self.eos = frozenset((model.codec_pad_token, model.codec_eos_token))
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, device: torch.device, dtype: torch.dtype, max_slots: int = MAX_SLOTS
+    ) -> Talker:
+        config = load_config(model_dir)
+        model = load_part(
+            Qwen2_5OmniTalkerForConditionalGeneration,
+            config.talker_config,
+            model_dir,
+            "talker",
+            device,
+            dtype,
+        )
+        return cls(model, device, dtype, max_slots)
+
+    @torch.no_grad()
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> TalkerState:
+        """The prefill over the thinker's first chunk, which picks the first code."""
+        first = _first_chunk(inputs, self.model.config.embedding_size)
+        prompt, specials = first["prompt"], first["specials"]
+        reply = list(first["reply"].to(self.device, self.dtype).split(1))
+        length = prompt.shape[0] + 2
+        total = option_int(request, "talker_max_new_tokens")
+        m = self.model
+        codec_prompt = torch.tensor(
+            [[m.codec_mask_token] * prompt.shape[0] + [m.codec_pad_token, m.codec_bos_token]],
+            device=self.device,
+        )
+        slot = self.slots.acquire(length + total)
+        try:
+            state = TalkerState(
+                request=request,
+                step_index=0,
+                total_steps=total,
+                slot=slot,
+                sampling=Sampling.build(
+                    m,
+                    codec_prompt,
+                    total,
+                    request.seed,
+                    do_sample=bool(option_int(request, "talker_do_sample")),
+                    suppress_tokens=[m.codec_bos_token],
+                    eos_token_id=sorted(self.eos),
+                    pad_token_id=m.codec_pad_token,
+                    **TALKER_SAMPLING,
+                ),
+                eos=self.eos,
+                sequence=torch.cat([codec_prompt, codec_prompt.new_zeros(1, total)], dim=1),
+                prompt_length=length,
+                reply=reply[1:],
+                specials=specials.to(self.device, self.dtype),
+            )
+            embeds = torch.cat([prompt.to(self.device, self.dtype), state.specials[:1], reply[0]]).unsqueeze(
+                0
+            )
+            cache = DynamicCache(config=m.config)
+            output = m(
+                input_ids=codec_prompt,
+                inputs_embeds=embeds,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            self.fill_slot(state, cache)
+            self.pick([state], output.logits)
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        return state
+
+    def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
+        assert isinstance(state, TalkerState)
+        rows = chunk.tensors.get("reply")
+        if rows is not None:
+            if rows.dim() != 2 or rows.shape[1] != self.model.config.embedding_size:
+                raise InvalidArgument("a thinker chunk's reply rows must be [n, embedding_size]")
+            state.reply.extend(rows.to(self.device, self.dtype).split(1))
+        if end:
+            state.thinker_ended = True
+
+    def ready(self, state: StepState) -> bool:
+        assert isinstance(state, TalkerState)
+        return bool(state.reply) or state.thinker_ended or self.is_done(state)
+
+    def _next_row(self, state: TalkerState) -> torch.Tensor:
+        """This step's thinker_reply_part element: the next reply row; once the thinker ended and
+        its rows are read, the text-eos embedding, then the text-pad one for ever."""
+        if state.reply:
+            return state.reply.pop(0)
+        index = 2 if state.eos_given else 1
+        state.eos_given = True
+        return state.specials[index : index + 1]
+
+    @torch.no_grad()
+    def step(self, states: Sequence[StepState]) -> None:
+        live = [s for s in self.live(states) if isinstance(s, TalkerState) and self.ready(s)]
+        if not live:
+            return
+        cache = self.slots.batch([state.slot for state in live])
+        codes = torch.stack([state.sequence[:, state.prompt_length + state.step_index - 1] for state in live])
+        rows = torch.stack([self._next_row(state) for state in live])  # [B, 1, H]
+        output = self.model(
+            input_ids=codes,
+            thinker_reply_part=rows,
+            position_ids=self.positions(live, rows=3),
+            past_key_values=cache,
+            use_cache=True,
+            **cache.attention_kwargs,
+        )
+        self.pick(live, output.logits)
+        cache.advance()
+
+    def take_partial(self, state: StepState) -> StageState | None:
+        """Codes made since the last chunk, CODES_PER_CHUNK at a time (the rest at the end)."""
+        assert isinstance(state, TalkerState)
+        codes = state.generated
+        if codes.numel() and int(codes[-1]) in self.eos:
+            codes = codes[:-1]
+        done = self.is_done(state)
+        ready = codes.numel() - state.codes_sent
+        if ready <= 0 or (ready < CODES_PER_CHUNK and not done):
+            return None
+        count = ready if done else ready - ready % CODES_PER_CHUNK
+        chunk = codes[state.codes_sent : state.codes_sent + count].clone()
+        state.codes_sent += count
+        meta = {"chunk": str(state.chunks_sent)}
+        state.chunks_sent += 1
+        return StageState(tensors={"codes": chunk}, meta=meta)
+
+    def finish(self, state: StepState) -> StageState:
+        """{"codes_total": [1]}: how many codes were sent; meta "tokens"."""
+        assert isinstance(state, TalkerState)
+        try:
+            return StageState(
+                tensors={"codes_total": torch.tensor([state.codes_sent])},
+                meta={"tokens": str(state.step_index)},
+            )
+        finally:
+            self.release(state)
+
+
+def _first_chunk(inputs: StageState, width: int) -> dict[str, torch.Tensor]:
+    """The thinker's chunk 0, checked: INVALID_ARGUMENT for a missing or misshapen tensor."""
+    tensors = inputs.tensors
+    missing = [name for name in ("prompt", "specials", "reply") if name not in tensors]
+    if missing:
+        raise InvalidArgument(
+            f"the talker needs the thinker's first chunk (prompt, specials, reply); {missing[0]} "
+            "is missing (a reply of one token has nothing to speak)"
+        )
+    for name, rows in (("prompt", None), ("specials", 3), ("reply", None)):
+        tensor = tensors[name]
+        if tensor.dim() != 2 or tensor.shape[1] != width or (rows and tensor.shape[0] != rows):
+            raise InvalidArgument(f"the thinker's {name} must be [n, {width}]")
+    if tensors["reply"].shape[0] < 1:
+        raise InvalidArgument("the thinker's first chunk has no reply row")
+    return dict(tensors)

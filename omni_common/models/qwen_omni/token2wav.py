@@ -1,0 +1,281 @@
+"""Qwen2.5-Omni token2wav DiT role: mel frames from codec tokens by flow matching, step-wise and
+batched across requests like the image DiT.
+
+Reads like `Qwen2_5OmniToken2WavDiTModel.sample`: noise from `torch.randn` (the request's own
+generator, seeded with its seed), the time points `linspace(0, 1, steps)` bent by the sway
+coefficient, and RK4 over them (`RungeKutta4ODESolver`): one step here is one RK4 interval, four
+guided evaluations of the DiT (conditional and unconditional rows in one forward, guidance 0.5),
+batched over every request at the same window length. Each request's solver arithmetic runs
+alone, in the solver's own order, so a request alone gets the solver's very numbers.
+
+Two modes (option stream_audio):
+- **one shot** (0): once the talker has ended, one window over all the codes, exactly `sample`:
+  the mel equals transformers' one-shot token2wav;
+- **streamed** (1, default): windows of CHUNK_BLOCKS DiT blocks (72 frames = 36 codes = 0.72 s)
+  as the codes arrive, each solved with PAST_BLOCKS blocks of context before it and
+  FUTURE_BLOCKS after (the frames outside the chunk are dropped), over the same noise the one-shot
+  would draw for those frames. These are vllm-omni's sizes, and they match the DiT's attention:
+  layers attend one block ahead and two blocks back (`look_ahead_layers`, `look_backward_layers`),
+  so one forward of a window computes the chunk's frames exactly. The ODE is not: 36 evaluations
+  let context errors creep in (measured in docs/families.md); the chunk's first audio leaves after
+  36 + 12 codes instead of after the whole reply.
+
+Chunks (take_partial): "mel" [mel_dim, n] float32, meta "frame" (its first frame), "chunk".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen2_5OmniToken2WavModel
+
+from omni_common.errors import InvalidArgument, Unimplemented
+from omni_common.models.base import GenerationRequest, StageState, StepState
+from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
+from omni_common.models.qwen_omni.family import option_int, speaker_of
+
+CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 3, 2, 1
+SWAY = -1.0  # Qwen2_5OmniToken2WavModel's sway_coefficient
+
+
+@dataclass(eq=False)
+class Window:
+    """The frames [start, end) being solved, of which [out_start, out_end) are kept."""
+
+    start: int
+    end: int
+    out_start: int
+    out_end: int
+    y: torch.Tensor  # [1, end - start, mel_dim]
+    codes: torch.Tensor  # [1, (end - start) / repeats]
+    interval: int = 0  # RK4 intervals done
+
+
+@dataclass(kw_only=True, eq=False)
+class Token2WavState(StepState):
+    streamed: bool
+    guidance: float
+    cond: torch.Tensor  # [1, enc_emb_dim]
+    ref_mel: torch.Tensor  # [1, T_ref, mel_dim]
+    generator: torch.Generator
+    times: torch.Tensor  # [steps] the solver's time points
+    codes: list[int] = field(default_factory=list)
+    ended: bool = False
+    noise: torch.Tensor | None = None  # [1, frames drawn, mel_dim]
+    window: Window | None = None
+    frames_done: int = 0
+    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first frame, mel [D, n])
+    chunks_sent: int = 0
+
+
+class Token2Wav:
+    """The "token2wav" role (a StreamingRunner). Runs in float32, as transformers runs it."""
+
+    def __init__(self, dit: Any, speakers: dict[str, dict[str, Any]], device: torch.device) -> None:
+        self.dit = dit
+        self.speakers = speakers
+        self.device = device
+        self.repeats: int = dit.repeats
+        self.block: int = dit.block_size
+        self.mel_dim: int = dit.mel_dim
+        self.codes_limit: int = dit.text_embed.codec_embed.num_embeddings
+
+    @classmethod
+    def load(cls, model_dir: Path, device: torch.device) -> Token2Wav:
+        config = load_config(model_dir).token2wav_config
+        token2wav = load_part(
+            Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
+        )
+        return cls(token2wav.code2wav_dit_model, load_speakers(model_dir), device)
+
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> Token2WavState:
+        voice = speaker(self.speakers, speaker_of(request))
+        steps = request.num_inference_steps
+        times = torch.linspace(0, 1, steps, device=self.device, dtype=torch.float32)
+        times += SWAY * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        state = Token2WavState(
+            request=request,
+            step_index=0,
+            total_steps=steps - 1,
+            streamed=bool(option_int(request, "stream_audio")),
+            guidance=request.true_cfg_scale,
+            cond=voice["cond"].to(self.device, torch.float32),
+            ref_mel=voice["ref_mel"].to(self.device, torch.float32),
+            generator=torch.Generator(self.device).manual_seed(request.seed),
+            times=times,
+        )
+        self.feed(state, inputs, end=False)
+        return state
+
+    def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
+        assert isinstance(state, Token2WavState)
+        codes = chunk.tensors.get("codes")
+        if codes is not None:
+            if codes.dim() != 1 or codes.is_floating_point():
+                raise InvalidArgument("a talker chunk's codes must be a 1-D integer tensor")
+            if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.codes_limit):
+                raise InvalidArgument(f"codec tokens must lie in [0, {self.codes_limit})")
+            state.codes += codes.tolist()
+        state.ended = state.ended or end
+
+    def _next_window(self, state: Token2WavState) -> tuple[int, int, int, int] | None:
+        """(start, end, out_start, out_end) of the next window whose codes are all here."""
+        frames = len(state.codes) * self.repeats
+        if state.frames_done >= frames and state.ended:
+            return None
+        if not state.streamed:
+            return (0, frames, 0, frames) if state.ended else None
+        out_start = state.frames_done
+        out_end = out_start + CHUNK_BLOCKS * self.block
+        if not state.ended and frames < out_end + FUTURE_BLOCKS * self.block:
+            return None
+        out_end = min(out_end, frames)
+        start = max(0, out_start - PAST_BLOCKS * self.block)
+        return start, min(frames, out_end + FUTURE_BLOCKS * self.block), out_start, out_end
+
+    def ready(self, state: StepState) -> bool:
+        assert isinstance(state, Token2WavState)
+        return state.window is not None or self._next_window(state) is not None or self.is_done(state)
+
+    def _noise(self, state: Token2WavState, frames: int) -> torch.Tensor:
+        """The utterance's noise up to `frames`, drawn in order as it is needed."""
+        have = 0 if state.noise is None else state.noise.shape[1]
+        if frames > have:
+            more = torch.randn(
+                [1, frames - have, self.mel_dim],
+                generator=state.generator,
+                device=self.device,
+                dtype=torch.float32,
+            )
+            state.noise = more if state.noise is None else torch.cat([state.noise, more], dim=1)
+        assert state.noise is not None
+        return state.noise
+
+    def _open(self, state: Token2WavState) -> None:
+        bounds = self._next_window(state)
+        if bounds is None or state.window is not None:
+            return
+        start, end, out_start, out_end = bounds
+        limit = self.dit.config.max_position_embeddings
+        if end > limit:
+            raise InvalidArgument(f"the reply's mel is {end} frames; token2wav holds at most {limit}")
+        codes = torch.tensor([state.codes[start // self.repeats : end // self.repeats]], device=self.device)
+        noise = self._noise(state, end)[:, start:end]
+        state.window = Window(start, end, out_start, out_end, noise.clone(), codes)
+
+    def batch_key(self, state: StepState) -> Hashable:
+        assert isinstance(state, Token2WavState)
+        bounds = (state.window.start, state.window.end) if state.window else self._next_window(state)
+        length = 0 if bounds is None else bounds[1] - bounds[0]
+        return (length, tuple(state.ref_mel.shape), state.guidance >= 1e-5)
+
+    def step_cost(self, state: StepState) -> int:
+        return CHUNK_BLOCKS * self.block * 2
+
+    @torch.no_grad()
+    def step(self, states: Sequence[StepState]) -> None:
+        """One RK4 interval of every state's window (a window opens when its codes are here)."""
+        live = [s for s in states if isinstance(s, Token2WavState)]
+        for state in live:
+            self._open(state)
+        live = [s for s in live if s.window is not None]
+        if not live:
+            return
+        starts = [s.times[s.window.interval] for s in live if s.window]
+        ends = [s.times[s.window.interval + 1] for s in live if s.window]
+        y = [s.window.y for s in live if s.window]
+        dt = [end - start for start, end in zip(starts, ends, strict=True)]
+        third, two_thirds = 1 / 3, 2 / 3
+        k1 = self._velocity(live, starts, y)
+        k2 = self._velocity(
+            live,
+            [t + h * third for t, h in zip(starts, dt, strict=True)],
+            [v + h * a * third for v, h, a in zip(y, dt, k1, strict=True)],
+        )
+        k3 = self._velocity(
+            live,
+            [t + h * two_thirds for t, h in zip(starts, dt, strict=True)],
+            [v + h * (b - a * third) for v, h, a, b in zip(y, dt, k1, k2, strict=True)],
+        )
+        k4 = self._velocity(
+            live, ends, [v + h * (a - b + c) for v, h, a, b, c in zip(y, dt, k1, k2, k3, strict=True)]
+        )
+        for i, state in enumerate(live):
+            window = state.window
+            assert window is not None
+            window.y = window.y + (k1[i] + 3 * (k2[i] + k3[i]) + k4[i]) * dt[i] / 8
+            window.interval += 1
+            if window.interval == state.total_steps:
+                self._close(state)
+
+    def _velocity(
+        self, states: list[Token2WavState], times: list[torch.Tensor], y: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The guided ODE function of `sample` for each state, in one DiT forward."""
+        windows = [s.window for s in states]
+        assert all(windows)
+        cfg = states[0].guidance >= 1e-5
+        frames = y[0].shape[1]
+        output = self.dit(
+            hidden_states=torch.cat(y),
+            speaker_embedding=torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s in states]),
+            condition_vector=torch.cat([s.ref_mel for s in states]),
+            quantized_code=torch.cat([w.codes for w in windows if w]),
+            time_step=torch.stack(times),
+            apply_cfg=cfg,
+        )
+        if not cfg:
+            return list(output.split(1))
+        guided, null = torch.chunk(output, 2, dim=0)
+        return [
+            g + (g - n) * s.guidance for g, n, s in zip(guided.split(1), null.split(1), states, strict=True)
+        ]
+
+    def _close(self, state: Token2WavState) -> None:
+        window = state.window
+        assert window is not None
+        kept = window.y[0, window.out_start - window.start : window.out_end - window.start]
+        state.pending.append((window.out_start, kept.transpose(0, 1).contiguous()))
+        state.frames_done = window.out_end
+        state.window = None
+
+    def take_partial(self, state: StepState) -> StageState | None:
+        assert isinstance(state, Token2WavState)
+        if not state.pending:
+            return None
+        frame, mel = state.pending.pop(0)
+        meta = {"chunk": str(state.chunks_sent), "frame": str(frame)}
+        state.chunks_sent += 1
+        return StageState(tensors={"mel": mel}, meta=meta)
+
+    def is_done(self, state: StepState) -> bool:
+        assert isinstance(state, Token2WavState)
+        return state.ended and state.window is None and not state.pending and self._next_window(state) is None
+
+    def is_finite(self, state: StepState) -> bool:
+        assert isinstance(state, Token2WavState)
+        return state.window is None or bool(torch.isfinite(state.window.y).all())
+
+    def preview(self, state: StepState) -> np.ndarray | None:
+        return None
+
+    def checkpoint(self, state: StepState) -> StageState | None:
+        return None
+
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
+        raise Unimplemented("token2wav does not resume from checkpoints")
+
+    def finish(self, state: StepState) -> StageState:
+        assert isinstance(state, Token2WavState)
+        return StageState(tensors={}, meta={"frames": str(state.frames_done)})
+
+    def release(self, state: StepState) -> None:
+        pass
+
+    def forget_cuda_graphs(self) -> None:
+        pass

@@ -1,0 +1,150 @@
+"""Qwen2.5-Omni vocoder role: BigVGAN turns mel frames into 24 kHz samples as the frames stream
+in from token2wav, batched across requests whose windows have the same length.
+
+BigVGAN is a stack of convolutions: a sample depends on the mel frames around it only, so a
+window of frames with CONTEXT_FRAMES of context on each side, trimmed to its middle, gives the
+middle's samples as the whole mel gives them (within float rounding; docs/families.md has the
+measurement). A request's frames are vocoded once CONTEXT_FRAMES frames after them have arrived
+(or the stream ended). A request whose mel comes in one piece (one-shot mode) is vocoded in one
+call over all of it: transformers' own computation, so its samples are `generate`'s.
+
+Chunks (take_partial): "audio" [n] float32 samples, meta "sample_rate", "chunk".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen2_5OmniToken2WavModel
+
+from omni_common.errors import InvalidArgument, Unimplemented
+from omni_common.models.base import GenerationRequest, StageState, StepState
+from omni_common.models.qwen_omni.checkpoint import load_config, load_part
+from omni_common.models.qwen_omni.family import SAMPLE_RATE
+
+CONTEXT_FRAMES = 32  # each side; BigVGAN's receptive field is shorter (docs/families.md)
+MIN_FRAMES = 24  # frames vocoded at least per call while the stream runs
+
+
+@dataclass(kw_only=True, eq=False)
+class VocoderState(StepState):
+    mel: torch.Tensor  # [mel_dim, frames received] float32
+    ended: bool = False
+    frames_done: int = 0  # frames whose samples were made
+    pending: list[torch.Tensor] = field(default_factory=list)
+    chunks_sent: int = 0
+
+
+class Vocoder:
+    """The "vocoder" role (a StreamingRunner). Runs in float32, as transformers runs it."""
+
+    def __init__(self, bigvgan: Any, device: torch.device) -> None:
+        self.bigvgan = bigvgan
+        self.device = device
+        self.mel_dim: int = bigvgan.config.mel_dim
+        self.hop = math.prod(bigvgan.config.upsample_rates)  # samples per mel frame
+
+    @classmethod
+    def load(cls, model_dir: Path, device: torch.device) -> Vocoder:
+        config = load_config(model_dir).token2wav_config
+        token2wav = load_part(
+            Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
+        )
+        return cls(token2wav.code2wav_bigvgan_model, device)
+
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> VocoderState:
+        state = VocoderState(
+            request=request, step_index=0, total_steps=1, mel=torch.zeros(self.mel_dim, 0, device=self.device)
+        )
+        self.feed(state, inputs, end=False)
+        return state
+
+    def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
+        assert isinstance(state, VocoderState)
+        mel = chunk.tensors.get("mel")
+        if mel is not None:
+            if mel.dim() != 2 or mel.shape[0] != self.mel_dim or not mel.is_floating_point():
+                raise InvalidArgument(f"a mel chunk must be float [{self.mel_dim}, frames]")
+            if int(chunk.meta.get("frame", "-1")) != state.mel.shape[1]:
+                raise InvalidArgument("mel chunks must come in order, each once")
+            state.mel = torch.cat([state.mel, mel.to(self.device, torch.float32)], dim=1)
+        state.ended = state.ended or end
+
+    def _span(self, state: VocoderState) -> tuple[int, int, int, int] | None:
+        """(window start, window end, first frame made, end of frames made) of the next call."""
+        frames = state.mel.shape[1]
+        upto = frames if state.ended else frames - CONTEXT_FRAMES
+        if upto <= state.frames_done or (not state.ended and upto - state.frames_done < MIN_FRAMES):
+            return None
+        start = 0 if state.frames_done == 0 else state.frames_done - CONTEXT_FRAMES
+        end = frames if state.ended else upto + CONTEXT_FRAMES
+        return max(0, start), end, state.frames_done, upto
+
+    def ready(self, state: StepState) -> bool:
+        assert isinstance(state, VocoderState)
+        return self._span(state) is not None or self.is_done(state)
+
+    def batch_key(self, state: StepState) -> Hashable:
+        assert isinstance(state, VocoderState)
+        span = self._span(state)
+        return 0 if span is None else span[1] - span[0]
+
+    def step_cost(self, state: StepState) -> int:
+        return 1
+
+    @torch.no_grad()
+    def step(self, states: Sequence[StepState]) -> None:
+        live = [
+            (s, span) for s in states if isinstance(s, VocoderState) and (span := self._span(s)) is not None
+        ]
+        if not live:
+            return
+        mel = torch.stack([state.mel[:, start:end] for state, (start, end, _, _) in live])
+        audio = self.bigvgan(mel).view(len(live), -1)  # BigVGAN squeezes a batch of one
+        for row, (state, (start, _, first, upto)) in enumerate(live):
+            state.pending.append(audio[row, (first - start) * self.hop : (upto - start) * self.hop].clone())
+            state.frames_done = upto
+
+    def take_partial(self, state: StepState) -> StageState | None:
+        assert isinstance(state, VocoderState)
+        if not state.pending:
+            return None
+        samples = torch.cat(state.pending)
+        state.pending.clear()
+        meta = {"chunk": str(state.chunks_sent), "sample_rate": str(SAMPLE_RATE)}
+        state.chunks_sent += 1
+        return StageState(tensors={"audio": samples}, meta=meta)
+
+    def is_done(self, state: StepState) -> bool:
+        assert isinstance(state, VocoderState)
+        return state.ended and state.frames_done >= state.mel.shape[1] and not state.pending
+
+    def is_finite(self, state: StepState) -> bool:
+        return True  # BigVGAN clamps its output to [-1, 1]
+
+    def preview(self, state: StepState) -> np.ndarray | None:
+        return None
+
+    def checkpoint(self, state: StepState) -> StageState | None:
+        return None
+
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
+        raise Unimplemented("the vocoder does not resume from checkpoints")
+
+    def finish(self, state: StepState) -> StageState:
+        assert isinstance(state, VocoderState)
+        return StageState(
+            tensors={}, meta={"sample_rate": str(SAMPLE_RATE), "samples": str(state.frames_done * self.hop)}
+        )
+
+    def release(self, state: StepState) -> None:
+        pass
+
+    def forget_cuda_graphs(self) -> None:
+        pass

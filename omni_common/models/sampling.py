@@ -1,0 +1,117 @@
+"""How a continuously batched generator picks each request's next token, as transformers'
+`generate` picks it for that request alone: float32 scores of the last position, the logits
+processors `generate` builds from the model's generation config, then argmax (greedy) or
+softmax + multinomial (sampling) from the request's own generator, so that a request's tokens
+do not depend on its batch mates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+@dataclass(eq=False)
+class Sampling:
+    """One request's token choice: its processors, greedy or not, and its generator."""
+
+    processors: LogitsProcessorList
+    do_sample: bool
+    generator: torch.Generator
+    # Equal for requests whose processors can run as one batch; None when they read more
+    # than their row's scores (e.g. a repetition penalty reads the tokens seen).
+    key: Hashable | None
+
+    @classmethod
+    def build(cls, model: Any, input_ids: torch.Tensor, total: int, seed: int, **generation: Any) -> Sampling:
+        """What `model.generate(input_ids, max_new_tokens=total, **generation)` would apply,
+        with a generator seeded with `seed` on the input's device."""
+        processors = logits_processors(model, input_ids, total, **generation)
+        config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
+        generator = torch.Generator(input_ids.device).manual_seed(seed)
+        return cls(processors, bool(config.do_sample), generator, row_wise_key(processors, config.do_sample))
+
+
+def logits_processors(
+    model: Any, input_ids: torch.Tensor, total: int, **generation: Any
+) -> LogitsProcessorList:
+    """What `generate(max_new_tokens=total, **generation)` applies to the logits, built by its
+    own (private) helpers from the model's generation config: rebuilding the temperature /
+    top-k / top-p / penalty rules here would drift from transformers' defaults. Bitwise tests
+    against `generate` pin it."""
+    config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=input_ids.device)
+    config.max_length = input_ids.shape[1] + total
+    return cast(
+        LogitsProcessorList,
+        model._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=input_ids.shape[1],
+            encoder_input_ids=input_ids,
+            device=input_ids.device,
+            model_kwargs={},
+        ),
+    )
+
+
+# Processors whose output row depends on that row's scores alone (not on the tokens seen).
+ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def row_wise_key(processors: LogitsProcessorList, do_sample: bool = True) -> Hashable | None:
+    """What makes two requests' processors interchangeable (their types and settings), or None
+    when one of them reads more than its row's scores."""
+    if not all(type(processor) in ROW_WISE for processor in processors):
+        return None
+    return (do_sample, tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors))
+
+
+def pick_tokens(
+    rows: Sequence[tuple[Sampling, torch.Tensor]], logits: torch.Tensor
+) -> list[torch.Tensor | None]:
+    """The next token [1, 1] of each row from `logits` [rows, positions, vocab] (the last
+    position is read); each row is (its Sampling, the ids it has seen [1, n]). None for a row
+    holding NaN or Inf. Changes nothing but the generators, so a step that fails here can run
+    again."""
+    scores = logits[:, -1].to(copy=True, dtype=torch.float32)
+    finite = torch.isfinite(scores).all(dim=-1).tolist()
+    processed = _processed(rows, scores)
+    picked: list[torch.Tensor | None] = []
+    for row, ((sampling, _), ok) in enumerate(zip(rows, finite, strict=True)):
+        if not ok:
+            picked.append(None)
+        elif sampling.do_sample:
+            probs = torch.nn.functional.softmax(processed[row : row + 1], dim=-1)
+            picked.append(torch.multinomial(probs, num_samples=1, generator=sampling.generator))
+        else:
+            picked.append(torch.argmax(processed[row : row + 1], dim=-1, keepdim=True))
+    return picked
+
+
+def _processed(rows: Sequence[tuple[Sampling, torch.Tensor]], scores: torch.Tensor) -> torch.Tensor:
+    """processors(scores) of each row. When every row has the same processors and they read
+    nothing but their row's scores, one call covers the batch: each row's arithmetic is its
+    own either way, and a step's host time is per call. Other processors run per row, over the
+    tokens that row has seen."""
+    keys = {sampling.key for sampling, _ in rows}
+    if len(keys) == 1 and None not in keys:
+        processed = scores
+        for processor in rows[0][0].processors:
+            processed = processor(cast(torch.LongTensor, None), cast(torch.FloatTensor, processed))
+        return processed
+    return torch.cat(
+        [
+            sampling.processors(cast(torch.LongTensor, seen), cast(torch.FloatTensor, scores[row : row + 1]))
+            for row, (sampling, seen) in enumerate(rows)
+        ]
+    )

@@ -1,0 +1,178 @@
+"""Qwen2.5-Omni's four roles (thinker, talker, token2wav, vocoder) driven in-process on the tiny
+fixture, each fed the previous one's chunks as the stages stream them: a request alone gives
+bitwise the text tokens, codec tokens and waveform of transformers' one-shot
+`generate(return_audio=True)` (greedy and sampled); streamed audio differs from the one-shot
+by a measured bound; requests batched in one step each get their lone results; bad chunks are
+INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omni_common.errors import InvalidArgument
+from omni_common.models.base import GenerationRequest, StageState, StepState
+from omni_common.models.qwen_omni.reference import reference_generate
+from omni_common.models.qwen_omni.talker import Talker
+from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.models.qwen_omni.token2wav import Token2Wav
+from omni_common.models.qwen_omni.vocoder import Vocoder
+
+CPU = torch.device("cpu")
+PROMPT = "Tell me a short story."
+TOKENS, CODES = 16, 60  # the random talker rarely ends by itself: its codes are capped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass
+class Roles:
+    thinker: Thinker
+    talker: Talker
+    token2wav: Token2Wav
+    vocoder: Vocoder
+
+
+@pytest.fixture(scope="module")
+def roles(omni_model: Path) -> Roles:
+    return Roles(
+        Thinker.load(omni_model, CPU, torch.float32),
+        Talker.load(omni_model, CPU, torch.float32),
+        Token2Wav.load(omni_model, CPU),
+        Vocoder.load(omni_model, CPU),
+    )
+
+
+def request(seed: int = 3, prompt: str = PROMPT, **options: object) -> GenerationRequest:
+    chosen = {"max_new_tokens": TOKENS, "talker_max_new_tokens": CODES, "stream_audio": 0, **options}
+    return GenerationRequest(
+        prompt=prompt,
+        seed=seed,
+        num_inference_steps=10,
+        true_cfg_scale=0.5,
+        options=tuple((name, str(value)) for name, value in chosen.items()),
+    )
+
+
+def run_role(
+    runner: Any, requests: Sequence[GenerationRequest], inputs: Sequence[list[StageState]]
+) -> list[list[StageState]]:
+    """Each request's chunks out of `runner`, all stepped in one batch, each fed its input chunks
+    (the first with prepare, the rest at once, then the end) as the stages feed them."""
+    states: list[StepState] = []
+    for gen, chunks in zip(requests, inputs, strict=True):
+        state = runner.prepare(gen, chunks[0] if chunks else StageState({}))
+        if hasattr(runner, "feed") and chunks:
+            for chunk in chunks[1:]:
+                runner.feed(state, chunk, False)
+            runner.feed(state, StageState({}), True)
+        states.append(state)
+    out: list[list[StageState]] = [[] for _ in states]
+    while not all(runner.is_done(state) for state in states):
+        ready = [state for state in states if not runner.is_done(state) and runner.ready(state)]
+        key = runner.batch_key(ready[0])  # as the StepScheduler batches: the oldest's key
+        runner.step([state for state in ready if runner.batch_key(state) == key])
+        for i, state in enumerate(states):
+            partial = runner.take_partial(state)
+            if partial is not None:
+                out[i].append(partial)
+    for state in states:
+        runner.finish(state)
+    return out
+
+
+@dataclass
+class Spoken:
+    text_ids: torch.Tensor
+    codes: torch.Tensor
+    waveform: torch.Tensor
+    mel_chunks: int
+
+
+def speak(roles: Roles, requests: Sequence[GenerationRequest]) -> list[Spoken]:
+    thinking = run_role(roles.thinker, requests, [[] for _ in requests])
+    text_ids = [
+        torch.tensor(roles.thinker.tokenizer.encode("".join(c.meta["text"] for c in chunks)))
+        for chunks in thinking
+    ]
+    talking = run_role(roles.talker, requests, thinking)
+    mels = run_role(roles.token2wav, requests, talking)
+    audio = run_role(roles.vocoder, requests, mels)
+    return [
+        Spoken(
+            ids,
+            torch.cat([c.tensors["codes"] for c in codes]),
+            torch.cat([c.tensors["audio"] for c in wave]),
+            len(mel),
+        )
+        for ids, codes, mel, wave in zip(text_ids, talking, mels, audio, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(("thinker_sample", "talker_sample"), [(0, 0), (0, 1), (1, 1)])
+def test_a_request_alone_equals_transformers_generate(
+    roles: Roles, omni_model: Path, thinker_sample: int, talker_sample: int
+) -> None:
+    gen = request(thinker_do_sample=thinker_sample, talker_do_sample=talker_sample)
+    (ours,) = speak(roles, [gen])
+    ref = reference_generate(
+        omni_model,
+        PROMPT,
+        seed=3,
+        thinker_do_sample=bool(thinker_sample),
+        talker_do_sample=bool(talker_sample),
+        thinker_max_new_tokens=TOKENS,
+        talker_max_new_tokens=CODES,
+    )
+    assert roles.thinker.tokenizer.decode(ours.text_ids) == ref.text
+    assert torch.equal(ours.codes, ref.codes)
+    assert ours.mel_chunks == 1 and torch.equal(ours.waveform, ref.waveform)
+    assert not roles.thinker.slots.active and not roles.talker.slots.active
+
+
+def test_streamed_audio_comes_in_windows_close_to_the_one_shot(roles: Roles) -> None:
+    one_shot, streamed = speak(roles, [request(stream_audio=0), request(stream_audio=1)])
+    assert torch.equal(streamed.codes, one_shot.codes)
+    assert streamed.mel_chunks == 2  # 60 codes = 120 frames: a 72-frame window, then the rest
+    assert streamed.waveform.shape == one_shot.waveform.shape
+    # Windowed flow matching with 2 blocks of context behind and 1 ahead; measured 7.5e-8 here.
+    assert float((streamed.waveform - one_shot.waveform).abs().max()) < 1e-5
+
+
+def test_requests_batched_in_one_step_get_their_lone_results(roles: Roles) -> None:
+    requests = [request(seed=s, prompt=p, stream_audio=1) for s, p in [(1, PROMPT), (2, "Hi!"), (3, "Sing.")]]
+    together = speak(roles, requests)
+    for gen, batched in zip(requests, together, strict=True):
+        (alone,) = speak(roles, [gen])
+        assert torch.equal(batched.text_ids, alone.text_ids)
+        assert torch.equal(batched.codes, alone.codes)
+        torch.testing.assert_close(batched.waveform, alone.waveform, rtol=0, atol=1e-5)
+
+
+def test_an_unknown_speaker_is_invalid(roles: Roles) -> None:
+    with pytest.raises(InvalidArgument, match="unknown speaker"):
+        roles.thinker.prepare(request(speaker="Nobody"), StageState({}))
+    assert not roles.thinker.slots.active
+
+
+def test_bad_chunks_are_invalid(roles: Roles) -> None:
+    with pytest.raises(InvalidArgument, match="first chunk"):
+        roles.talker.prepare(request(), StageState({"reply": torch.zeros(1, 32)}))
+    state = roles.token2wav.prepare(request(), StageState({}))
+    with pytest.raises(InvalidArgument, match="codec tokens"):
+        roles.token2wav.feed(state, StageState({"codes": torch.tensor([1, 10**6])}), False)
+    voc = roles.vocoder.prepare(request(), StageState({}))
+    with pytest.raises(InvalidArgument, match="in order"):
+        roles.vocoder.feed(voc, StageState({"mel": torch.zeros(80, 4)}, {"frame": "8"}), False)
+    assert not roles.talker.slots.active
