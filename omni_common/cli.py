@@ -1,4 +1,4 @@
-"""`omnistage`: serve a service, run the local cluster, generate an image, build the fixture."""
+"""`omnistage`: serve a service, run the local cluster, generate an image, speak, build a fixture."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,13 +131,52 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speak(args: argparse.Namespace) -> int:
+    """One chat turn of a speaking model: the reply's text, and its audio as a WAV file."""
+    from omni_common.chat import ReplyBuilder, SpeechChunk, chat_request
+    from omni_common.client import Client
+    from omni_common.errors import OmniError
+
+    options = dict(_parse_option(item) for item in args.option)
+    request = chat_request(
+        args.prompt, speaker=args.speaker, model=args.model, seed=args.seed, options=options
+    )
+    with Client(args.address, timeout=args.timeout) as client:
+        try:
+            if args.wait_ready:
+                client.wait_ready(args.wait_ready, model=args.model)
+            builder = ReplyBuilder(time.perf_counter())
+            bars: dict[str, Any] = {}
+            for event in client.stream(request, args.timeout):
+                piece = builder.add(event, time.perf_counter())
+                if isinstance(piece, SpeechChunk):
+                    heard = round((piece.offset + len(piece.samples)) / piece.sample_rate)
+                    _advance(bars, "speech", "s", heard, 0, args.quiet)
+                elif event.HasField("tokens"):
+                    tokens = event.tokens
+                    _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, args.quiet)
+            for bar in bars.values():
+                bar.close()
+            reply = builder.build()
+        except OmniError as err:
+            print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+            return 1
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reply.save(out)
+    first = f", first audio after {reply.first_audio_ms:.0f} ms" if reply.first_audio_ms is not None else ""
+    print(reply.text)
+    print(f"saved {out.resolve()} ({reply.seconds:.2f} s of speech, {reply.total_ms:.0f} ms{first})")
+    return 0
+
+
 def _advance(bars: dict[str, Any], name: str, unit: str, done: int, total: int, quiet: bool) -> None:
     """Move the progress bar `name` (made on first use) to `done` of `total`."""
     from tqdm import tqdm
 
     bar = bars.get(name)
-    if bar is None:
-        bar = bars[name] = tqdm(total=total, desc=name, unit=unit, disable=quiet)
+    if bar is None:  # total 0: unknown in advance (speech)
+        bar = bars[name] = tqdm(total=total or None, desc=name, unit=unit, disable=quiet)
     bar.update(done - bar.n)
 
 
@@ -154,6 +194,13 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
+    if args.family == "qwen2.5-omni":
+        from omni_common.models.qwen_omni.fixture import build_tiny_fixture as build_omni
+
+        if args.random_weights:
+            raise SystemExit("--random-weights is for qwenimage only (yet)")
+        print(f"wrote {build_omni(Path(args.out), seed=args.seed)}")
+        return 0
     if args.family == "glm-image":
         from omni_common.models.glm_image.fixture import build_tiny_fixture as build_glm_image
 
@@ -265,6 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true")
     gen.set_defaults(func=_generate)
 
+    speak = sub.add_parser("speak", help="chat with a speaking model (Qwen2.5-Omni): text out, WAV file")
+    speak.add_argument("prompt")
+    speak.add_argument("-o", "--output", default="reply.wav")
+    speak.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    speak.add_argument("--speaker", default=None, help="the voice (default: the model's first, Chelsie)")
+    speak.add_argument(
+        "--option", action="append", default=[], metavar="NAME=VALUE", help="a model family option"
+    )
+    speak.add_argument("--seed", type=int, default=0)
+    speak.add_argument("--model", default="")
+    speak.add_argument("--timeout", type=float, default=600.0)
+    speak.add_argument("--wait-ready", type=float, default=0.0, help="wait this long for the cluster")
+    speak.add_argument("--quiet", action="store_true")
+    speak.set_defaults(func=_speak)
+
     health = sub.add_parser("health", help="exit 0 when the service at ADDRESS is serving")
     health.add_argument("address")
     health.add_argument("--timeout", type=float, default=2.0)
@@ -274,9 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
     models.set_defaults(func=_models)
 
-    fixture = sub.add_parser("fixture", help="build a random tiny model offline (Qwen-Image or GLM-Image)")
+    fixture = sub.add_parser("fixture", help="build a random tiny model offline (any family)")
     fixture.add_argument("out")
-    fixture.add_argument("--family", choices=("qwenimage", "glm-image"), default="qwenimage")
+    fixture.add_argument("--family", choices=("qwenimage", "glm-image", "qwen2.5-omni"), default="qwenimage")
     fixture.add_argument("--head-dim", type=int, default=16)
     fixture.add_argument(
         "--random-weights",

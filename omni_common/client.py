@@ -214,9 +214,12 @@ class Client:
         self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> Iterator[cpb.GenerateEvent]:
         """Stream the GenerateEvents of one request (kwargs as in `generate_request`)."""
-        yield from self._stream(generate_request(prompt, **kwargs), timeout)  # type: ignore[arg-type]
+        yield from self.stream(generate_request(prompt, **kwargs), timeout)  # type: ignore[arg-type]
 
-    def _stream(self, request: cpb.GenerateRequest, timeout: float | None) -> Iterator[cpb.GenerateEvent]:
+    def stream(
+        self, request: cpb.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[cpb.GenerateEvent]:
+        """The GenerateEvents of a prepared request."""
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             yield from call
@@ -229,7 +232,7 @@ class Client:
         """The reply to `prompt` as it streams: TextDelta and SpeechChunk pieces (kwargs as in
         omni_common.chat.chat_request: audio, speaker, model, seed, ...)."""
         builder = ReplyBuilder(time.perf_counter())
-        for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+        for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             piece = builder.add(event, time.perf_counter())
             if piece is not None:
                 yield piece
@@ -237,7 +240,7 @@ class Client:
     def speak(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Reply:
         """The whole reply to `prompt`: text, audio and timings (kwargs as in `chat`)."""
         builder = ReplyBuilder(time.perf_counter())
-        for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+        for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             builder.add(event, time.perf_counter())
         return builder.build()
 
@@ -305,10 +308,10 @@ class AsyncClient:
     async def events(
         self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> AsyncIterator[cpb.GenerateEvent]:
-        async for event in self._stream(generate_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+        async for event in self.stream(generate_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             yield event
 
-    async def _stream(
+    async def stream(
         self, request: cpb.GenerateRequest, timeout: float | None
     ) -> AsyncIterator[cpb.GenerateEvent]:
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
@@ -324,14 +327,14 @@ class AsyncClient:
         self, prompt: str, *, timeout: float | None = None, **kwargs: object
     ) -> AsyncIterator[ChatPiece]:
         builder = ReplyBuilder(time.perf_counter())
-        async for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+        async for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             piece = builder.add(event, time.perf_counter())
             if piece is not None:
                 yield piece
 
     async def speak(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Reply:
         builder = ReplyBuilder(time.perf_counter())
-        async for event in self._stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
+        async for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             builder.add(event, time.perf_counter())
         return builder.build()
 

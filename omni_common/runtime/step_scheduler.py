@@ -49,6 +49,7 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     gone: bool = False  # the caller stopped listening (cancelled, disconnected, done)
     pump: asyncio.Task[None] | None = None  # moves a streaming call's input chunks in
+    partial: StageState | None = None  # the chunk its last step made (streaming runners)
 
 
 def _preview_png(runner: StepRunner, state: StepState) -> bytes:
@@ -204,10 +205,17 @@ class StepScheduler:
                 cost += job.cost
         return batch
 
+    def _advance(self, batch: list[Job]) -> None:
+        """One step, and (streaming) the chunks it made, in one call on the compute thread."""
+        self.runner.step([job.state for job in batch])
+        if self.streaming is not None:
+            for job in batch:
+                job.partial = self.streaming.take_partial(job.state)
+
     async def _step(self, batch: list[Job]) -> list[Job]:
         """One step for `batch`; returns the jobs that stepped (failed ones are retired)."""
         try:
-            await self.compute(self.runner.step, [job.state for job in batch])
+            await self.compute(self._advance, batch)
         except Exception:
             if len(batch) == 1:
                 self._fail(batch[0])
@@ -252,9 +260,7 @@ class StepScheduler:
         done = state.step_index
         every = max(call.progress_every, 1)
         checkpoint = call.checkpoint_every and done % call.checkpoint_every == 0 and done < state.total_steps
-        partial = None
-        if self.streaming is not None:
-            partial = await self.compute(self.streaming.take_partial, state)
+        partial, job.partial = job.partial, None
         if done % every == 0 or done == state.total_steps or checkpoint or partial is not None:
             progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
             if call.preview_every and (done % call.preview_every == 0 or done == state.total_steps):

@@ -40,7 +40,7 @@ def omni(omni_model: Path) -> Iterator[InProcessCluster]:
 def events(cluster: InProcessCluster, seed: int = 3, **kwargs: object) -> list[cpb.GenerateEvent]:
     options = {**CAPS, **kwargs.pop("options", {})}  # type: ignore[dict-item]
     with Client(cluster.coordinator) as client:
-        return list(client._stream(chat_request(PROMPT, seed=seed, options=options, **kwargs), 120))  # type: ignore[arg-type]
+        return list(client.stream(chat_request(PROMPT, seed=seed, options=options, **kwargs), 120))  # type: ignore[arg-type]
 
 
 def leases_and_jobs_free(cluster: InProcessCluster) -> bool:
@@ -139,7 +139,7 @@ def test_a_reply_cancelled_in_any_step_frees_everything(omni: InProcessCluster, 
             with Client(omni.coordinator) as client:
                 request = chat_request(PROMPT, seed=1, options={**CAPS, "talker_max_new_tokens": 400})
                 request.request_id = request_id
-                for event in client._stream(request, 120):
+                for event in client.stream(request, 120):
                     if event.HasField("stage_started") and event.stage_started.step == step:
                         started.set()
         except Cancelled as err:

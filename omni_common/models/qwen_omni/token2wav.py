@@ -11,16 +11,18 @@ alone, in the solver's own order, so a request alone gets the solver's very numb
 Two modes (option stream_audio):
 - **one shot** (0): once the talker has ended, one window over all the codes, exactly `sample`:
   the mel equals transformers' one-shot token2wav;
-- **streamed** (1, default): windows of CHUNK_BLOCKS DiT blocks (72 frames = 36 codes = 0.72 s)
-  as the codes arrive, each solved with PAST_BLOCKS blocks of context before it and
-  FUTURE_BLOCKS after (the frames outside the chunk are dropped), over the same noise the one-shot
-  would draw for those frames. These are vllm-omni's sizes, and they match the DiT's attention:
-  layers attend one block ahead and two blocks back (`look_ahead_layers`, `look_backward_layers`),
-  so one forward of a window computes the chunk's frames exactly. The ODE is not: 36 evaluations
-  let context errors creep in (measured in docs/families.md); the chunk's first audio leaves after
-  36 + 12 codes instead of after the whole reply.
+- **streamed** (1, default): windows of CHUNK_BLOCKS DiT blocks (72 frames = 36 codes = 0.72 s;
+  the first window FIRST_BLOCKS, so that audio starts early) as the codes arrive, each solved
+  with PAST_BLOCKS blocks of context before it and FUTURE_BLOCKS after, over the same noise the
+  one-shot would draw for those frames. These are vllm-omni's sizes, and they match the DiT's
+  attention: layers attend one block ahead and two blocks back (`look_ahead_layers`,
+  `look_backward_layers`), so one forward of a window computes the chunk's frames exactly. The
+  ODE is not: 36 evaluations let context errors creep in (measured in docs/families.md). The
+  first audio leaves after 24 codes instead of after the whole reply.
 
-Chunks (take_partial): "mel" [mel_dim, n] float32, meta "frame" (its first frame), "chunk".
+Chunks (take_partial): "mel" [mel_dim, n] float32, the chunk's frames, and "lookahead"
+[mel_dim, m], the window's frames after them (provisional: the next chunk makes them again; the
+vocoder reads them as right context only); meta "frame" (the chunk's first frame), "chunk".
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.family import option_int, speaker_of
 
-CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 3, 2, 1
+FIRST_BLOCKS, CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 1, 3, 2, 1
 SWAY = -1.0  # Qwen2_5OmniToken2WavModel's sway_coefficient
 
 
@@ -69,7 +71,8 @@ class Token2WavState(StepState):
     noise: torch.Tensor | None = None  # [1, frames drawn, mel_dim]
     window: Window | None = None
     frames_done: int = 0
-    pending: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first frame, mel [D, n])
+    # (first frame, the chunk's mel [D, n], the window's provisional frames after it [D, m])
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chunks_sent: int = 0
 
 
@@ -131,7 +134,7 @@ class Token2Wav:
         if not state.streamed:
             return (0, frames, 0, frames) if state.ended else None
         out_start = state.frames_done
-        out_end = out_start + CHUNK_BLOCKS * self.block
+        out_end = out_start + (CHUNK_BLOCKS if out_start else FIRST_BLOCKS) * self.block
         if not state.ended and frames < out_end + FUTURE_BLOCKS * self.block:
             return None
         out_end = min(out_end, frames)
@@ -239,8 +242,10 @@ class Token2Wav:
     def _close(self, state: Token2WavState) -> None:
         window = state.window
         assert window is not None
-        kept = window.y[0, window.out_start - window.start : window.out_end - window.start]
-        state.pending.append((window.out_start, kept.transpose(0, 1).contiguous()))
+        mel = window.y[0].transpose(0, 1)
+        kept = mel[:, window.out_start - window.start : window.out_end - window.start].contiguous()
+        lookahead = mel[:, window.out_end - window.start :].contiguous()
+        state.pending.append((window.out_start, kept, lookahead))
         state.frames_done = window.out_end
         state.window = None
 
@@ -248,10 +253,10 @@ class Token2Wav:
         assert isinstance(state, Token2WavState)
         if not state.pending:
             return None
-        frame, mel = state.pending.pop(0)
+        frame, mel, lookahead = state.pending.pop(0)
         meta = {"chunk": str(state.chunks_sent), "frame": str(frame)}
         state.chunks_sent += 1
-        return StageState(tensors={"mel": mel}, meta=meta)
+        return StageState(tensors={"mel": mel, "lookahead": lookahead}, meta=meta)
 
     def is_done(self, state: StepState) -> bool:
         assert isinstance(state, Token2WavState)

@@ -1,12 +1,14 @@
 """Qwen2.5-Omni vocoder role: BigVGAN turns mel frames into 24 kHz samples as the frames stream
 in from token2wav, batched across requests whose windows have the same length.
 
-BigVGAN is a stack of convolutions: a sample depends on the mel frames around it only, so a
-window of frames with CONTEXT_FRAMES of context on each side, trimmed to its middle, gives the
-middle's samples as the whole mel gives them (within float rounding; docs/families.md has the
-measurement). A request's frames are vocoded once CONTEXT_FRAMES frames after them have arrived
-(or the stream ended). A request whose mel comes in one piece (one-shot mode) is vocoded in one
-call over all of it: transformers' own computation, so its samples are `generate`'s.
+BigVGAN is a stack of convolutions: a sample depends on the mel frames around it only (29
+frames each side; the outer ones barely), so a window of frames with CONTEXT_FRAMES of context
+on each side, trimmed to its middle, gives the middle's samples as the whole mel gives them
+(within ~1 ulp; docs/families.md has the measurement). Each mel chunk is vocoded as it comes:
+its left context is the frames before it, its right context the chunk's provisional
+"lookahead" frames (token2wav's window beyond the chunk), or nothing once the stream ended. A
+request whose mel comes in one piece (one-shot mode) is vocoded in one call over all of it:
+transformers' own computation, so its samples are `generate`'s.
 
 Chunks (take_partial): "audio" [n] float32 samples, meta "sample_rate", "chunk".
 """
@@ -28,13 +30,13 @@ from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
 from omni_common.models.qwen_omni.family import SAMPLE_RATE
 
-CONTEXT_FRAMES = 32  # each side; BigVGAN's receptive field is shorter (docs/families.md)
-MIN_FRAMES = 24  # frames vocoded at least per call while the stream runs
+CONTEXT_FRAMES = 24  # each side: within ~1 ulp of the whole mel's samples (docs/families.md)
 
 
 @dataclass(kw_only=True, eq=False)
 class VocoderState(StepState):
     mel: torch.Tensor  # [mel_dim, frames received] float32
+    lookahead: torch.Tensor | None = None  # provisional frames after them (right context only)
     ended: bool = False
     frames_done: int = 0  # frames whose samples were made
     pending: list[torch.Tensor] = field(default_factory=list)
@@ -74,17 +76,24 @@ class Vocoder:
             if int(chunk.meta.get("frame", "-1")) != state.mel.shape[1]:
                 raise InvalidArgument("mel chunks must come in order, each once")
             state.mel = torch.cat([state.mel, mel.to(self.device, torch.float32)], dim=1)
+            lookahead = chunk.tensors.get("lookahead")
+            if lookahead is not None and (lookahead.dim() != 2 or lookahead.shape[0] != self.mel_dim):
+                raise InvalidArgument(f"a mel chunk's lookahead must be float [{self.mel_dim}, frames]")
+            state.lookahead = None if lookahead is None else lookahead.to(self.device, torch.float32)
         state.ended = state.ended or end
 
-    def _span(self, state: VocoderState) -> tuple[int, int, int, int] | None:
-        """(window start, window end, first frame made, end of frames made) of the next call."""
+    def _span(self, state: VocoderState) -> tuple[int, int, int] | None:
+        """(window start, first frame made, end of frames made) of the next call; its window
+        ends at the frames made plus the lookahead's first CONTEXT_FRAMES (none once ended)."""
         frames = state.mel.shape[1]
-        upto = frames if state.ended else frames - CONTEXT_FRAMES
-        if upto <= state.frames_done or (not state.ended and upto - state.frames_done < MIN_FRAMES):
+        if frames <= state.frames_done or (not state.ended and state.lookahead is None):
             return None
-        start = 0 if state.frames_done == 0 else state.frames_done - CONTEXT_FRAMES
-        end = frames if state.ended else upto + CONTEXT_FRAMES
-        return max(0, start), end, state.frames_done, upto
+        return max(0, state.frames_done - CONTEXT_FRAMES), state.frames_done, frames
+
+    def _window(self, state: VocoderState, span: tuple[int, int, int]) -> torch.Tensor:
+        start, _, upto = span
+        right = state.lookahead if state.lookahead is not None and not state.ended else state.mel[:, :0]
+        return torch.cat([state.mel[:, start:upto], right[:, :CONTEXT_FRAMES]], dim=1)
 
     def ready(self, state: StepState) -> bool:
         assert isinstance(state, VocoderState)
@@ -93,7 +102,7 @@ class Vocoder:
     def batch_key(self, state: StepState) -> Hashable:
         assert isinstance(state, VocoderState)
         span = self._span(state)
-        return 0 if span is None else span[1] - span[0]
+        return 0 if span is None else self._window(state, span).shape[1]
 
     def step_cost(self, state: StepState) -> int:
         return 1
@@ -105,11 +114,12 @@ class Vocoder:
         ]
         if not live:
             return
-        mel = torch.stack([state.mel[:, start:end] for state, (start, end, _, _) in live])
+        mel = torch.stack([self._window(state, span) for state, span in live])
         audio = self.bigvgan(mel).view(len(live), -1)  # BigVGAN squeezes a batch of one
-        for row, (state, (start, _, first, upto)) in enumerate(live):
+        for row, (state, (start, first, upto)) in enumerate(live):
             state.pending.append(audio[row, (first - start) * self.hop : (upto - start) * self.hop].clone())
             state.frames_done = upto
+            state.lookahead = None
 
     def take_partial(self, state: StepState) -> StageState | None:
         assert isinstance(state, VocoderState)

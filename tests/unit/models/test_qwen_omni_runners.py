@@ -144,10 +144,13 @@ def test_a_request_alone_equals_transformers_generate(
 def test_streamed_audio_comes_in_windows_close_to_the_one_shot(roles: Roles) -> None:
     one_shot, streamed = speak(roles, [request(stream_audio=0), request(stream_audio=1)])
     assert torch.equal(streamed.codes, one_shot.codes)
-    assert streamed.mel_chunks == 2  # 60 codes = 120 frames: a 72-frame window, then the rest
+    assert streamed.mel_chunks == 3  # 60 codes = 120 frames: a 24-frame window, 72, the rest
     assert streamed.waveform.shape == one_shot.waveform.shape
-    # Windowed flow matching with 2 blocks of context behind and 1 ahead; measured 7.5e-8 here.
-    assert float((streamed.waveform - one_shot.waveform).abs().max()) < 1e-5
+    # Windowed flow matching with 2 blocks of context behind and 1 ahead, the vocoder's right
+    # context provisional: measured 1.2e-7 here (docs/families.md).
+    difference = float((streamed.waveform - one_shot.waveform).abs().max())
+    print(f"streamed vs one-shot waveform: max difference {difference:.2g}")
+    assert difference < 1e-5
 
 
 def test_requests_batched_in_one_step_get_their_lone_results(roles: Roles) -> None:
