@@ -168,6 +168,8 @@ class Thinker(SlotGenerator):
         """The rows and text made since the last chunk (chunk 0 waits for the first row)."""
         assert isinstance(state, ThinkerState)
         text = self.tokenizer.decode(state.generated, skip_special_tokens=True)
+        if not self.is_done(state):  # a character whose bytes are not all here yet waits
+            text = text.rstrip("\ufffd")
         delta = text[len(state.text_sent) :] if text.startswith(state.text_sent) else ""
         tensors: dict[str, torch.Tensor] = {}
         if state.speak and state.rows:

@@ -12,7 +12,9 @@ Two modes (option stream_audio):
 - **one shot** (0): once the talker has ended, one window over all the codes, exactly `sample`:
   the mel equals transformers' one-shot token2wav;
 - **streamed** (1, default): windows of CHUNK_BLOCKS DiT blocks (72 frames = 36 codes = 0.72 s;
-  the first window FIRST_BLOCKS, so that audio starts early) as the codes arrive, each solved
+  the first window FIRST_BLOCKS, so that audio starts early; a window that starts behind the
+  talker takes every block whose look-ahead is here, so a lagging DiT catches up in fewer,
+  larger solves) as the codes arrive, each solved
   with PAST_BLOCKS blocks of context before it and FUTURE_BLOCKS after, over the same noise the
   one-shot would draw for those frames. These are vllm-omni's sizes, and they match the DiT's
   attention: layers attend one block ahead and two blocks back (`look_ahead_layers`,
@@ -137,6 +139,9 @@ class Token2Wav:
         out_end = out_start + (CHUNK_BLOCKS if out_start else FIRST_BLOCKS) * self.block
         if not state.ended and frames < out_end + FUTURE_BLOCKS * self.block:
             return None
+        if out_start:  # behind the talker: one window over every block whose look-ahead is here
+            here = frames if state.ended else frames - FUTURE_BLOCKS * self.block
+            out_end = max(out_end, out_start + (here - out_start) // self.block * self.block)
         out_end = min(out_end, frames)
         start = max(0, out_start - PAST_BLOCKS * self.block)
         return start, min(frames, out_end + FUTURE_BLOCKS * self.block), out_start, out_end
