@@ -44,8 +44,8 @@ class Inbox:
 
     def put(self, index: int, chunk: Chunk) -> None:
         if index < self._next or index in self._waiting or self.ended:
-            return  # a repeat
-        if index == 0 or index - self._next >= MAX_AHEAD:
+            return  # a repeat (chunk 0 came with the call)
+        if index - self._next >= MAX_AHEAD:
             raise InvalidArgument(f"chunk {index} is out of range: the call expects chunk {self._next} next")
         if len(self._waiting) >= MAX_AHEAD:
             raise ResourceExhausted("too many chunks wait for this call; send them in order")

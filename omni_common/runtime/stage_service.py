@@ -272,6 +272,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     ) -> stage_pb2.FeedReply:
         try:
             check_request_id(request.request_id)
+            self.worker.handler(request.role)  # NOT_FOUND at once for a role not served here
             inbox = await self.feeds.find(request.request_id, request.role)
             tensors, meta = await self.transport.import_state(request.chunk)
             check_finite(tensors)

@@ -15,7 +15,8 @@ A step that fails is retried job by job, so one bad request fails alone.
 A streaming runner (omni_common.models.base.StreamingRunner) also sends each job's output
 in chunks as it is made (a progress event carrying the chunk after the step that made it), and
 takes a streaming call's later input chunks from its inbox between steps; a job steps only when
-it is `ready` (its next step's input has arrived), so a waiting job never holds up others.
+it is `ready` (its next step's input has arrived), so a waiting job never holds up others, and
+the job that stepped longest ago picks the batch (a long stream must not starve a new one).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Job:
     gone: bool = False  # the caller stopped listening (cancelled, disconnected, done)
     pump: asyncio.Task[None] | None = None  # moves a streaming call's input chunks in
     partial: StageState | None = None  # the chunk its last step made (streaming runners)
+    last_step: float = 0.0  # time.monotonic() of its last step; 0 before the first
 
 
 def _preview_png(runner: StepRunner, state: StepState) -> bytes:
@@ -169,7 +171,9 @@ class StepScheduler:
                 stepped = await self._step(batch)
                 self.step_ms = (time.perf_counter() - started) * 1e3
                 self.batch_sizes = [*self.batch_sizes[-99:], len(batch)]
+                now = time.monotonic()
                 for job in stepped:
+                    job.last_step = now
                     await self._report(job, self.step_ms)
             except Exception:  # a fault of the scheduler itself: fail the batch, keep serving
                 for job in batch:
@@ -194,6 +198,10 @@ class StepScheduler:
 
     def _pick(self) -> list[Job]:
         ready = [job for job in self.jobs if self._ready(job)]
+        if self.streaming is not None:
+            # A stream's latency is per chunk: the job that stepped longest ago goes first
+            # (arrival order among equals), so a long stream never starves a newer one's start.
+            ready.sort(key=lambda job: job.last_step)
         oldest = ready[0]
         key = self.runner.batch_key(oldest.state)
         batch, cost = [oldest], oldest.cost

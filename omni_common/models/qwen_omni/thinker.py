@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, Qwen2_5OmniThinkerForConditionalGeneration
 
+from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import GenerationState, SlotGenerator
 from omni_common.models.qwen_omni.checkpoint import (
@@ -159,7 +160,7 @@ class Thinker(SlotGenerator):
         cache.advance()
 
     def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
-        raise AssertionError("the thinker takes no streamed input")
+        raise InvalidArgument("the thinker takes no streamed input")
 
     def ready(self, state: StepState) -> bool:
         return True
