@@ -96,13 +96,13 @@ class KVSlots:
         """The lowest free row, for a request that will cache `tokens` tokens (prompt + sampled)."""
         if tokens > self.max_tokens:
             raise ResourceExhausted(
-                f"the request needs {tokens} AR tokens (prompt and image); this prior holds at most "
-                f"{self.max_tokens} per request: ask for a smaller image or a shorter prompt"
+                f"the request needs {tokens} tokens (prompt and generated); this generator holds at most "
+                f"{self.max_tokens} per request: ask for a shorter output or a shorter prompt"
             )
         free = [row for row, owner in enumerate(self.owners) if owner is None]
         if not free and self.rows >= self.max_slots:
             raise ResourceExhausted(
-                f"all {self.max_slots} KV slots of the prior are in use; retry when a request finishes"
+                f"all {self.max_slots} KV slots of this generator are in use; retry when a request finishes"
             )
         rows = self.rows if free else min(self.max_slots, max(1, 2 * self.rows))
         capacity = max(self.capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)

@@ -60,7 +60,7 @@ OPTIONS = (
         "0: one chunk at the end, equal to transformers' generate",
     ),
     OptionSpec("max_new_tokens", "int", "1024", 1, 8192, "the most tokens the thinker writes"),
-    OptionSpec("talker_max_new_tokens", "int", "4096", 1, 16384, "the most codec tokens the talker says"),
+    OptionSpec("talker_max_new_tokens", "int", "4096", 1, 8192, "the most codec tokens the talker says"),
     OptionSpec("thinker_do_sample", "int", "0", 0, 1, "1: the thinker samples (seeded); 0: greedy"),
     OptionSpec("talker_do_sample", "int", "1", 0, 1, "1: the talker samples (seeded), as generate does"),
 )
