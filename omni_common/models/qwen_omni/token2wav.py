@@ -12,15 +12,15 @@ Two modes (option stream_audio):
 - **one shot** (0): once the talker has ended, one window over all the codes, exactly `sample`:
   the mel equals transformers' one-shot token2wav;
 - **streamed** (1, default): windows of CHUNK_BLOCKS DiT blocks (72 frames = 36 codes = 0.72 s;
-  the first window FIRST_BLOCKS, so that audio starts early; a window that starts behind the
-  talker takes every block whose look-ahead is here, so a lagging DiT catches up in fewer,
-  larger solves) as the codes arrive, each solved
+  the first window FIRST_BLOCKS, so that audio starts early) as the codes arrive, each solved
   with PAST_BLOCKS blocks of context before it and FUTURE_BLOCKS after, over the same noise the
   one-shot would draw for those frames. These are vllm-omni's sizes, and they match the DiT's
   attention: layers attend one block ahead and two blocks back (`look_ahead_layers`,
   `look_backward_layers`), so one forward of a window computes the chunk's frames exactly. The
   ODE is not: 36 evaluations let context errors creep in (measured in docs/families.md). The
-  first audio leaves after 24 codes instead of after the whole reply.
+  windows are fixed by the frame count alone, never by timing, so a request's audio is the same
+  however fast its codes arrive (a takeover replica makes the same windows). The first audio
+  leaves after 24 codes instead of after the whole reply.
 
 Chunks (take_partial): "mel" [mel_dim, n] float32, the chunk's frames, and "lookahead"
 [mel_dim, m], the window's frames after them (provisional: the next chunk makes them again; the
@@ -139,9 +139,6 @@ class Token2Wav:
         out_end = out_start + (CHUNK_BLOCKS if out_start else FIRST_BLOCKS) * self.block
         if not state.ended and frames < out_end + FUTURE_BLOCKS * self.block:
             return None
-        if out_start:  # behind the talker: one window over every block whose look-ahead is here
-            here = frames if state.ended else frames - FUTURE_BLOCKS * self.block
-            out_end = max(out_end, out_start + (here - out_start) // self.block * self.block)
         out_end = min(out_end, frames)
         start = max(0, out_start - PAST_BLOCKS * self.block)
         return start, min(frames, out_end + FUTURE_BLOCKS * self.block), out_start, out_end
