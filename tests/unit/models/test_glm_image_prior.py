@@ -208,7 +208,7 @@ def test_a_dropped_request_frees_its_slot(prior: GlmImagePrior, tokens_alone: li
     assert not small.slots.active
 
     tight = GlmImagePrior(prior.model, prior.processor, CPU, torch.float32, max_tokens=64)
-    with pytest.raises(ResourceExhausted, match="AR tokens"):
+    with pytest.raises(ResourceExhausted, match=r"tokens \(prompt and generated\)"):
         tight.prepare(*batch_request(0))
 
 
