@@ -1,22 +1,26 @@
 """The headline: the split cluster on one GPU against diffusers' QwenImagePipeline in one
-process, Qwen-Image at real size (random bf16 weights), same weights, seed and steps.
+process at its best setting (transformer.compile_repeated_blocks(fullgraph=True), warmed up),
+Qwen-Image at real size (random bf16 weights), same weights, prompt, seed and steps.
 
     omnistage fixture /tmp/qwen-image-full --random-weights full
     python benchmarks/gpu_headline.py --model /tmp/qwen-image-full [--sizes 1024 512]
 
 Both sides do not fit on one GPU at once, so they run one after the other in this run:
-first the cluster (coordinator and three stage processes, real gRPC on loopback), then
-diffusers. Prints one JSON line per measurement, then the ratios against the targets:
-- p50 latency, 20 steps, no CFG, one request at a time;
-- images/s with `--concurrency` requests at once at the last size, against diffusers called
-  one request at a time;
-- the split's own cost (client wall time minus the stages' model time) per request;
-- the images of the two sides compared (max abs difference, PSNR).
+1. the cluster, cold (coordinator and three stage processes, real gRPC on loopback, an empty
+   compile cache): start-up time, p50 latency per size, the DiT's step breakdown (device
+   time inside a step, device idle time between steps, from its metrics), images/s with
+   `--concurrency` requests at once at the last size, and step caching (the "step_cache"
+   option) per threshold: speed-up and PSNR against the uncached image;
+2. the cluster again on the same compile cache: the warm start-up time;
+3. diffusers compiled: p50 per size, one batch of `--concurrency` at the last size, and its
+   VAE decode eager, channels-last and compiled.
+Prints one JSON line per measurement, then the ratios against the targets (issue 14).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -24,6 +28,8 @@ import statistics
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +40,23 @@ import numpy as np
 import torch
 
 from omni_common.client import Client
-from omni_common.cluster import LocalCluster, loopback_plan
+from omni_common.cluster import LocalCluster, free_port, loopback_plan
 
 PROMPT = "a watercolor lighthouse at dusk"
+STEP_CACHE_THRESHOLDS = (0.05, 0.1, 0.2)
 
 
 def p50(samples: list[float]) -> float:
     return round(statistics.median(samples), 1)
+
+
+def emit(row: dict[str, object]) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else round(10 * math.log10(1.0 / mse), 1)
 
 
 @dataclass
@@ -50,127 +66,293 @@ class Side:
     p50_ms: dict[int, float] = field(default_factory=dict)
     images: dict[int, np.ndarray] = field(default_factory=dict)
     img_per_s: float = 0.0
+    start_s: float = 0.0
+    warm_start_s: float = 0.0
+    step: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def emit(row: dict[str, object]) -> None:
-    print(json.dumps(row), flush=True)
+class StepMeter:
+    """The DiT's step totals from its /metrics: mean device and idle ms a step between reads."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.last = self.read()
+
+    def read(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for line in urllib.request.urlopen(self.url, timeout=5).read().decode().splitlines():
+            for name in ("omnistage_steps", "omnistage_step_device_seconds", "omnistage_step_idle_seconds"):
+                if line.startswith(name + "{"):
+                    totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return totals
+
+    def since_last(self) -> dict[str, float]:
+        now = self.read()
+        delta = {k: now.get(k, 0.0) - self.last.get(k, 0.0) for k in now}
+        self.last = now
+        steps = max(delta.get("omnistage_steps", 0.0), 1.0)
+        return {
+            "steps": delta.get("omnistage_steps", 0.0),
+            "device_ms_per_step": round(delta.get("omnistage_step_device_seconds", 0.0) / steps * 1e3, 2),
+            "idle_ms_per_step": round(delta.get("omnistage_step_idle_seconds", 0.0) / steps * 1e3, 2),
+        }
 
 
-def run_cluster(args: argparse.Namespace, log_dir: Path) -> Side:
+def cluster_plan(args: argparse.Namespace, cache: Path) -> tuple[list[Any], int]:
     env = {
-        "OMNISTAGE_DEVICE": "cuda:0",
+        "OMNISTAGE_DEVICE": args.device,
         "OMNISTAGE_MAX_BATCH": str(args.concurrency),
         # The DiT compiles and captures the batch sizes it will serve before it reports ready.
         "OMNISTAGE_CAPTURE_SIZES": ",".join(f"{size}x{size}" for size in args.sizes),
+        "OMNISTAGE_COMPILE_CACHE": str(cache),
     }
-    plan = loopback_plan(args.model, dtype="bfloat16", extra_env=env)
+    plan = loopback_plan(args.model, dtype=args.dtype, extra_env=env)
+    metrics_port = free_port()
+    for proc in plan:
+        if proc.name == "dit-denoise":
+            proc.environment["OMNISTAGE_METRICS_PORT"] = str(metrics_port)
+    return plan, metrics_port
+
+
+def options_for(args: argparse.Namespace, size: int) -> dict[str, Any]:
+    return {"width": size, "height": size, "steps": args.steps, "guidance": 1.0}
+
+
+def run_cluster(args: argparse.Namespace, log_dir: Path, cache: Path) -> Side:
     out = Side()
+    plan, metrics_port = cluster_plan(args, cache)
     started = time.perf_counter()
-    # Compiling and capturing a 20 B DiT before it reports ready takes a minute or two.
-    with LocalCluster(plan, log_dir, start_timeout_s=600) as cluster, Client(cluster.coordinator) as client:
-        emit({"side": "cluster", "start_s": round(time.perf_counter() - started, 1)})
+    # A cold start compiles and captures a 20 B DiT before it reports ready: minutes.
+    with (
+        LocalCluster(plan, log_dir / "cold", start_timeout_s=900) as cluster,
+        Client(cluster.coordinator) as client,
+    ):
+        out.start_s = round(time.perf_counter() - started, 1)
+        emit({"side": "cluster", "start": "cold", "start_s": out.start_s})
+        meter = StepMeter(metrics_port)
         for size in args.sizes:
-            options = {"width": size, "height": size, "steps": args.steps, "guidance": 1.0}
-            client.generate_result(PROMPT, seed=99, **options)  # warm-up
+            client.generate_result(PROMPT, seed=99, **options_for(args, size))  # warm-up
+            meter.since_last()
             walls, splits = [], []
             for run in range(args.runs):
                 t0 = time.perf_counter()
-                result = client.generate_result(PROMPT, seed=run, return_tensor=run == 0, **options)
+                result = client.generate_result(
+                    PROMPT, seed=run, return_tensor=run == 0, **options_for(args, size)
+                )
                 walls.append((time.perf_counter() - t0) * 1e3)
                 splits.append(walls[-1] - sum(result.compute_ms.values()))
                 if run == 0 and result.tensor is not None:
                     out.images[size] = result.tensor
             out.p50_ms[size] = p50(walls)
+            out.step[size] = meter.since_last()
             emit(
                 {
                     "side": "cluster",
                     "size": size,
-                    "p50_ms": p50(walls),
+                    "p50_ms": out.p50_ms[size],
                     "split_cost_p50_ms": p50(splits),
                     "stage_compute_ms": {k: round(v, 1) for k, v in result.compute_ms.items()},
+                    "dit_step": out.step[size],
                 }
             )
-        size = args.sizes[-1]
-        options = {"width": size, "height": size, "steps": args.steps, "guidance": 1.0}
-        errors: list[BaseException] = []
-
-        def one(seed: int) -> None:
-            try:
-                with Client(cluster.coordinator) as own:
-                    own.generate_result(PROMPT, seed=seed, **options)
-            except BaseException as err:  # reported below; a failed request must not look fast
-                errors.append(err)
-
-        threads = [threading.Thread(target=one, args=(s,)) for s in range(args.concurrency)]
-        t0 = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise RuntimeError(f"{len(errors)} concurrent requests failed: {errors[0]}")
-        out.img_per_s = args.concurrency / (time.perf_counter() - t0)
+        out.img_per_s = concurrent_img_per_s(args, cluster.coordinator)
         emit(
             {
                 "side": "cluster",
-                "size": size,
+                "size": args.sizes[-1],
                 "concurrency": args.concurrency,
-                "img_per_s": round(out.img_per_s, 3),
+                "img_per_s": out.img_per_s,
+            }
+        )
+        for size in args.sizes:
+            step_cache_rows(args, client, size, out.images[size], out.p50_ms[size])
+    started = time.perf_counter()
+    plan, _ = cluster_plan(args, cache)
+    with (
+        LocalCluster(plan, log_dir / "warm", start_timeout_s=900) as cluster,
+        Client(cluster.coordinator) as client,
+    ):
+        out.warm_start_s = round(time.perf_counter() - started, 1)
+        size = args.sizes[0]
+        t0 = time.perf_counter()
+        client.generate_result(PROMPT, seed=0, **options_for(args, size))
+        first_ms = round((time.perf_counter() - t0) * 1e3, 1)
+        emit(
+            {
+                "side": "cluster",
+                "start": "warm",
+                "start_s": out.warm_start_s,
+                f"first_request_{size}_ms": first_ms,
             }
         )
     return out
 
 
+def concurrent_img_per_s(args: argparse.Namespace, coordinator: str) -> float:
+    errors: list[BaseException] = []
+    options = options_for(args, args.sizes[-1])
+
+    def one(seed: int) -> None:
+        try:
+            with Client(coordinator) as own:
+                own.generate_result(PROMPT, seed=seed, **options)
+        except BaseException as err:  # reported below; a failed request must not look fast
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(args.concurrency)]
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} concurrent requests failed: {errors[0]}")
+    return round(args.concurrency / (time.perf_counter() - t0), 3)
+
+
+def step_cache_rows(
+    args: argparse.Namespace, client: Client, size: int, exact: np.ndarray, exact_ms: float
+) -> None:
+    """The same request (seed 0) with the first-block cache at each threshold."""
+    for threshold in STEP_CACHE_THRESHOLDS:
+        options = {**options_for(args, size), "options": {"step_cache": str(threshold)}}
+        client.generate_result(PROMPT, seed=99, **options)  # compiles the cached path's shapes
+        walls, image = [], None
+        for run in range(2):
+            t0 = time.perf_counter()
+            result = client.generate_result(PROMPT, seed=0, return_tensor=run == 0, **options)
+            walls.append((time.perf_counter() - t0) * 1e3)
+            image = result.tensor if run == 0 else image
+        assert image is not None
+        emit(
+            {
+                "side": "cluster",
+                "size": size,
+                "step_cache": threshold,
+                "p50_ms": p50(walls),
+                "speedup": round(exact_ms / p50(walls), 3),
+                "psnr_vs_uncached_db": psnr(image, exact),
+            }
+        )
+
+
 def run_diffusers(args: argparse.Namespace) -> Side:
     from omni_common.models.qwenimage.pipeline import monolithic_pipeline
 
-    device = torch.device("cuda:0")
-    pipe: Any = monolithic_pipeline(args.model, device, torch.bfloat16)
+    device = torch.device(args.device)
+    pipe: Any = monolithic_pipeline(args.model, device, getattr(torch, args.dtype))
+    if args.diffusers_compile:
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
     out = Side()
 
-    def generate(size: int, seed: int) -> torch.Tensor:
+    def generate(size: int, seed: int, batch: int = 1) -> torch.Tensor:
         return pipe(
-            PROMPT,
+            [PROMPT] * batch,
             width=size,
             height=size,
             num_inference_steps=args.steps,
             true_cfg_scale=1.0,
-            generator=torch.Generator("cpu").manual_seed(seed),
+            generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch)],
             output_type="pt",
-        ).images[0]
+        ).images
+
+    def synced() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     for size in args.sizes:
-        generate(size, 99)
+        t0 = time.perf_counter()
+        generate(size, 99)  # compiles this size
+        warm_s = round(time.perf_counter() - t0, 1)
         walls = []
         for run in range(args.runs):
-            torch.cuda.synchronize()
+            synced()
             t0 = time.perf_counter()
-            image = generate(size, run)
-            torch.cuda.synchronize()
+            image = generate(size, run)[0]
+            synced()
             walls.append((time.perf_counter() - t0) * 1e3)
             if run == 0:
                 out.images[size] = image.float().cpu().numpy()
         out.p50_ms[size] = p50(walls)
-        emit({"side": "diffusers", "size": size, "p50_ms": p50(walls)})
-    size = args.sizes[-1]
+        emit(
+            {
+                "side": "diffusers",
+                "compiled": args.diffusers_compile,
+                "size": size,
+                "p50_ms": out.p50_ms[size],
+                "warm_up_s": warm_s,
+            }
+        )
+    size, batch = args.sizes[-1], args.concurrency
+    generate(size, 99, batch)  # compiles the batch shape
+    synced()
     t0 = time.perf_counter()
-    for seed in range(args.concurrency):
-        generate(size, seed)
-    out.img_per_s = args.concurrency / (time.perf_counter() - t0)
+    generate(size, 0, batch)
+    synced()
+    out.img_per_s = round(batch / (time.perf_counter() - t0), 3)
     emit(
         {
             "side": "diffusers",
+            "compiled": args.diffusers_compile,
             "size": size,
-            "one_at_a_time": args.concurrency,
-            "img_per_s": round(out.img_per_s, 3),
+            "one_batch_of": batch,
+            "img_per_s": out.img_per_s,
         }
     )
+    vae_rows(pipe, args.sizes, device)
     return out
 
 
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+def vae_rows(pipe: Any, sizes: list[int], device: torch.device) -> None:
+    """The VAE decode of one image per size: eager, channels-last, compiled (what pays?)."""
+    vae = pipe.vae
+    latent_channels = vae.config.z_dim
+
+    def timed(fn: Any, latents: torch.Tensor) -> float:
+        for _ in range(2):
+            fn(latents)
+        walls = []
+        for _ in range(5):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn(latents)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            walls.append((time.perf_counter() - t0) * 1e3)
+        return p50(walls)
+
+    compiled = torch.compile(vae.decode)
+    for size in sizes:
+        shape = (1, latent_channels, 1, size // 8, size // 8)
+        latents = torch.randn(shape, device=device, dtype=vae.dtype)
+        with torch.inference_mode():
+            eager_ms = timed(vae.decode, latents)
+            compiled_ms = timed(compiled, latents)
+            with channels_last(vae):
+                channels_last_ms = timed(vae.decode, latents.contiguous(memory_format=torch.channels_last_3d))
+        emit(
+            {
+                "side": "vae",
+                "size": size,
+                "eager_ms": eager_ms,
+                "channels_last_ms": channels_last_ms,
+                "compiled_ms": compiled_ms,
+            }
+        )
+
+
+@contextlib.contextmanager
+def channels_last(module: torch.nn.Module) -> Iterator[None]:
+    """The module's 3-d convolution weights in channels-last layout, for the block's duration."""
+    convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv3d)]
+    for conv in convs:
+        conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+    try:
+        yield
+    finally:
+        for conv in convs:
+            conv.weight.data = conv.weight.data.contiguous()
 
 
 def main() -> None:
@@ -180,26 +362,36 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--device", default="cuda:0", help="cpu only to try the script on a tiny model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--diffusers-compile", type=int, default=1, help="0: diffusers eager (not its best setting)"
+    )
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_headline.py needs a CUDA device")
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = run_cluster(args, args.logs or Path(tmp))
+        cluster = run_cluster(args, args.logs or Path(tmp), Path(tmp) / "compile-cache")
     diffusers = run_diffusers(args)
-    summary: dict[str, object] = {"device": torch.cuda.get_device_name(0), "steps": args.steps}
+    summary: dict[str, object] = {"device": device_name(args.device), "steps": args.steps}
     for size in args.sizes:
         summary[f"latency_ratio_{size}"] = round(cluster.p50_ms[size] / diffusers.p50_ms[size], 3)
-        a, b = cluster.images[size], diffusers.images[size]
-        summary[f"image_max_abs_{size}"] = round(float(np.abs(a - b).max()), 5)
-        summary[f"image_psnr_db_{size}"] = round(psnr(a, b), 1)
+        summary[f"image_psnr_db_{size}"] = psnr(cluster.images[size], diffusers.images[size])
     summary["throughput_ratio"] = round(cluster.img_per_s / diffusers.img_per_s, 3)
+    summary["start_s"] = {"cold": cluster.start_s, "warm": cluster.warm_start_s}
+    summary["dit_step_ms"] = cluster.step
     summary["targets"] = {
-        "latency_ratio_1024": "<= 1.0",
-        "latency_ratio_512": "<= 0.6",
-        "throughput_ratio": ">= 2.5",
+        f"latency_ratio_{args.sizes[0]}": "<= 0.95 (1024)",
+        f"latency_ratio_{args.sizes[-1]}": "<= 0.5 (512)",
+        "throughput_ratio": ">= 1.05",
+        "warm start_s": "<= 30",
     }
     emit(summary)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
 
 
 if __name__ == "__main__":

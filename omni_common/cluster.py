@@ -170,11 +170,13 @@ class LocalCluster:
         return next(p.health_address for p in self.plan if p.name == "coordinator")
 
     def start(self, timeout_s: float = 180.0) -> None:
-        """Start every process, each once the previous is healthy; then wait until the
+        """Start every process at once (stages load and compile side by side; each registers
+        with the coordinator whenever it is up), wait until each is healthy, then until the
         coordinator routes to every stage replica of the plan."""
         try:
             for proc in self.plan:
                 self._spawn(proc)
+            for proc in self.plan:
                 self.wait_healthy(proc, timeout_s)
             self.wait_registered(timeout_s)
         except BaseException:

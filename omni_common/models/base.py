@@ -195,8 +195,10 @@ class StepRunner(Protocol):
 
     def is_done(self, state: StepState) -> bool: ...
 
-    def is_finite(self, state: StepState) -> bool:
-        """False when the state holds NaN or Inf (the request must fail alone)."""
+    def is_finite(self, state: StepState) -> bool | torch.Tensor:
+        """False when the state holds NaN or Inf (the request must fail alone); may be a 0-d
+        bool tensor left on the device, which the scheduler reads once the step has ended
+        (a host read here would wait for the step)."""
         ...
 
     def preview(self, state: StepState) -> np.ndarray | None:

@@ -32,9 +32,10 @@ class LatentSteps:
     def is_done(self, state: StepState) -> bool:
         return state.step_index >= state.total_steps
 
-    def is_finite(self, state: StepState) -> bool:
+    def is_finite(self, state: StepState) -> torch.Tensor:
+        """A 0-d bool tensor on the latents' device (read by the scheduler after the step)."""
         assert isinstance(state, LatentState)
-        return bool(torch.isfinite(state.latents).all())
+        return torch.isfinite(state.latents).all()
 
     def checkpoint(self, state: StepState) -> StageState:
         """The latents and the step index: the rest (timesteps, sigmas) follows from the

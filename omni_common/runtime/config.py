@@ -56,6 +56,8 @@ class StageConfig:
     capture_sizes: tuple[tuple[int, int], ...] = ()
     attention_backend: str = ""
     compile: str = "auto"
+    # torch.compile's on-disk caches (compile_cache.py); empty = PyTorch's default under /tmp.
+    compile_cache: str = ""
 
     @property
     def bind_address(self) -> str:
@@ -232,6 +234,13 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="dit-denoise: torch.compile the transformer's repeated blocks (auto: on a CUDA device "
         "without layerwise offload)",
     )
+    parser.add_argument(
+        "--compile-cache",
+        default=env("COMPILE_CACHE", ""),
+        help="a directory for torch.compile's caches, kept across restarts (a volume): a restarted "
+        "replica loads its compiled kernels instead of compiling them; empty: PyTorch's default "
+        "under /tmp",
+    )
 
 
 def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
@@ -268,6 +277,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         capture_sizes=parse_sizes(args.capture_sizes),
         attention_backend=args.attention_backend,
         compile=args.compile,
+        compile_cache=args.compile_cache,
     )
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from omni_common.runtime.config import STAGES
+from omni_common.runtime.step_scheduler import StepTotals
 
 # A scraper that sends no complete request head in this time is dropped.
 READ_TIMEOUT_S = 5.0
@@ -56,7 +57,13 @@ class RequestOutcomes:
 class StageMetrics:
     """Metrics of one stage replica, labelled with its stage."""
 
-    def __init__(self, stage: str, load: Callable[[], int], in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        stage: str,
+        load: Callable[[], int],
+        in_flight: Callable[[], int],
+        steps: Callable[[], Mapping[str, StepTotals]] = dict,
+    ) -> None:
         self.registry = CollectorRegistry()
         Gauge(
             "omnistage_stage_load",
@@ -73,6 +80,22 @@ class StageMetrics:
             registry=self.registry,
         ).labels(stage=stage).set_function(in_flight)
         self.requests = RequestOutcomes(self.registry, "omnistage_stage", "served", {"stage": stage})
+        self._steps(stage, steps)
+
+    def _steps(self, stage: str, steps: Callable[[], Mapping[str, StepTotals]]) -> None:
+        """Step-wise roles: steps run, device time in them and device idle time between them
+        (the time a step costs outside its forward: host work the device waited for)."""
+        series = (
+            ("omnistage_steps", "Steps run (one per batch forward)", "steps"),
+            ("omnistage_step_device_seconds", "Device time inside steps (CUDA events)", "device_s"),
+            ("omnistage_step_idle_seconds", "Device idle time between consecutive steps", "idle_s"),
+        )
+        for name, doc, attr in series:
+            gauge = Gauge(name, doc, ["stage", "role"], registry=self.registry)
+            for role in steps():
+                gauge.labels(stage=stage, role=role).set_function(
+                    functools.partial(_step_total, steps, role, attr)
+                )
 
 
 class CoordinatorMetrics:
@@ -94,6 +117,10 @@ class CoordinatorMetrics:
         for stage in STAGES:
             healthy.labels(stage=stage).set_function(functools.partial(_count, replicas, stage))
         self.requests = RequestOutcomes(self.registry, "omnistage_coordinator", "completed", {})
+
+
+def _step_total(steps: Callable[[], Mapping[str, StepTotals]], role: str, attr: str) -> float:
+    return float(getattr(steps()[role], attr))
 
 
 def _count(counts: Callable[[], dict[str, int]], key: str) -> int:

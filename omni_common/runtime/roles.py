@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from omni_common.models.base import AsyncRunner, BatchRunner, RoleCall, RoleSpec, StageState, StepRunner
 from omni_common.runtime.batching import MicroBatcher
 from omni_common.runtime.calls import Progress, StageCall
-from omni_common.runtime.step_scheduler import Compute, StepScheduler
+from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,11 @@ class BatchRole:
 
 
 class StepRole:
-    """A StepRunner behind a StepScheduler."""
+    """A StepRunner behind a StepScheduler (on a GPU it overlaps steps: step_scheduler)."""
 
-    def __init__(self, name: str, runner: StepRunner, compute: Compute, limits: RoleLimits) -> None:
+    def __init__(
+        self, name: str, runner: StepRunner, compute: Compute, limits: RoleLimits, device: torch.device
+    ) -> None:
         self.scheduler = StepScheduler(
             runner,
             compute,
@@ -88,6 +92,7 @@ class StepRole:
             max_tokens=limits.max_step_cost,
             max_queue=limits.max_queue,
             name=name,
+            device=device,
         )
         self.streams = self.scheduler.streaming is not None  # takes streamed inputs
 
@@ -97,6 +102,10 @@ class StepRole:
     def load(self) -> int:
         """Remaining steps times their cost, over every request here."""
         return self.scheduler.queued_work()
+
+    @property
+    def totals(self) -> StepTotals:
+        return self.scheduler.totals
 
     def close(self) -> None:
         self.scheduler.close()
@@ -118,10 +127,12 @@ class AsyncRole:
         self.runner.close()
 
 
-def role_handler(spec: RoleSpec, runner: object, compute: Compute, limits: RoleLimits) -> RoleHandler:
+def role_handler(
+    spec: RoleSpec, runner: object, compute: Compute, limits: RoleLimits, device: torch.device
+) -> RoleHandler:
     """The handler of one role, by the kind its family declares."""
     if spec.kind == "batch":
         return BatchRole(spec.name, runner, compute, limits)  # type: ignore[arg-type]
     if spec.kind == "steps":
-        return StepRole(spec.name, runner, compute, limits)  # type: ignore[arg-type]
+        return StepRole(spec.name, runner, compute, limits, device)  # type: ignore[arg-type]
     return AsyncRole(runner)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
@@ -30,6 +30,7 @@ from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, keep_registered
 from omni_common.runtime.serve import advertised_address, serve
 from omni_common.runtime.stage_control import StageControlServicer
+from omni_common.runtime.step_scheduler import StepTotals
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
 from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -62,6 +63,10 @@ class StageWorker(Protocol):
 
     def load(self) -> int:
         """The stage's own load signal (StageInfo.load)."""
+        ...
+
+    def step_totals(self) -> Mapping[str, StepTotals]:
+        """Steps and their device and idle time, by step-wise role (metrics)."""
         ...
 
     async def ensure_awake(self) -> None: ...
@@ -105,7 +110,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.max_pixels = max_pixels
         self.draining = False
         self.feeds = Feeds()
-        self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight)
+        self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight, worker.step_totals)
 
     def info(self) -> stage_pb2.StageInfo:
         return stage_pb2.StageInfo(

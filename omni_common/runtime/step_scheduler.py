@@ -17,6 +17,16 @@ in chunks as it is made (a progress event carrying the chunk after the step that
 takes a streaming call's later input chunks from its inbox between steps; a job steps only when
 it is `ready` (its next step's input has arrived), so a waiting job never holds up others, and
 the job that stepped longest ago picks the batch (a long stream must not starve a new one).
+
+On a GPU (`overlap`) the loop keeps the device fed: step k+1 is launched before step k's
+results are read, so the host's bookkeeping (NaN check, progress, finishing requests, picking
+the next batch, the asyncio hop) runs while the device computes. A step's NaN flags and
+timings are device tensors and events, read once the step's end event has passed; nothing
+syncs the device between steps except a requested preview (it reads the latents: that step
+completes before the next is launched). Checkpoints are device copies taken at launch.
+Requests that finish at step k are known on the host at launch (step counts), so they are
+never stepped again; one whose step k made NaN may be stepped once more, then fails alone.
+Streaming runners read their tokens every step and are never overlapped.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.imaging import to_png
@@ -52,6 +64,33 @@ class Job:
     pump: asyncio.Task[None] | None = None  # moves a streaming call's input chunks in
     partial: StageState | None = None  # the chunk its last step made (streaming runners)
     last_step: float = 0.0  # time.monotonic() of its last step; 0 before the first
+    finishing: bool = False  # its last launched step finished it: never step it again
+
+
+@dataclass(eq=False)
+class Launched:
+    """One step launched for `jobs`, and what their reports need once it has completed: the
+    step each job reached, its NaN flag (maybe still on the device), its checkpoint."""
+
+    jobs: list[Job]
+    done: list[int]
+    finished: list[bool]  # the step was the job's last (runner.is_done after it)
+    finite: list[bool | torch.Tensor]
+    checkpoints: list[StageState | None]
+    started_at: float  # time.perf_counter() at launch
+    start: torch.cuda.Event | None = None  # device events around the step (CUDA only)
+    end: torch.cuda.Event | None = None
+    wait: bool = False  # complete it before launching the next (a preview reads the state)
+
+
+@dataclass
+class StepTotals:
+    """Steps run by one scheduler and where their time went (metrics): device time inside
+    the steps and device idle time between consecutive steps (CUDA; zero elsewhere)."""
+
+    steps: int = 0
+    device_s: float = 0.0
+    idle_s: float = 0.0
 
 
 def _preview_png(runner: StepRunner, state: StepState) -> bytes:
@@ -69,6 +108,8 @@ class StepScheduler:
         max_tokens: int = 65536,
         max_queue: int = 64,
         name: str = "dit-denoise",
+        device: torch.device | None = None,
+        overlap: bool | None = None,
     ) -> None:
         self.runner = runner
         self.name = name
@@ -85,6 +126,11 @@ class StepScheduler:
         self.streaming: StreamingRunner | None = (
             runner if hasattr(runner, "take_partial") else None  # type: ignore[assignment]
         )
+        # Device events time the steps on a GPU; `overlap` defaults to on there (see above).
+        self.timed = device is not None and device.type == "cuda"
+        self.overlap = (self.timed if overlap is None else overlap) and self.streaming is None
+        self.totals = StepTotals()
+        self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
@@ -140,9 +186,6 @@ class StepScheduler:
         except Exception:
             self._fail(job)
 
-    def _ready(self, job: Job) -> bool:
-        return self.streaming is None or self.streaming.ready(job.state)
-
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -153,31 +196,26 @@ class StepScheduler:
         self._wake.set()
 
     async def _loop(self) -> None:
+        in_flight: Launched | None = None  # launched, not yet reported (overlap)
         while True:
             self._drop_dead()
-            await self._release_left()
-            if not self.jobs:
-                self._wake.clear()
-                await self._wake.wait()
+            await self._release_left(in_flight)
+            ready = [job for job in self.jobs if self._ready(job)]
+            launched = await self._launch(self._pick(ready)) if ready else None
+            if in_flight is not None:
+                await self._complete(in_flight)
+            in_flight = launched
+            if launched is not None and (launched.wait or not self.overlap):
+                await self._complete(launched)
+                in_flight = None
+            if in_flight is not None or ready:
                 continue
-            if not any(self._ready(job) for job in self.jobs):
-                self._wake.clear()
+            self._wake.clear()
+            if not self.jobs:
+                await self._wake.wait()
+            else:  # every job waits for input: check deadlines now and then
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), IDLE_CHECK_S)
-                continue
-            batch = self._pick()
-            try:
-                started = time.perf_counter()
-                stepped = await self._step(batch)
-                self.step_ms = (time.perf_counter() - started) * 1e3
-                self.batch_sizes = [*self.batch_sizes[-99:], len(batch)]
-                now = time.monotonic()
-                for job in stepped:
-                    job.last_step = now
-                    await self._report(job, self.step_ms)
-            except Exception:  # a fault of the scheduler itself: fail the batch, keep serving
-                for job in batch:
-                    self._fail(job)
 
     def _drop_dead(self) -> None:
         now = time.monotonic()
@@ -196,12 +234,18 @@ class StepScheduler:
                     )
                 )
 
-    def _pick(self) -> list[Job]:
-        ready = [job for job in self.jobs if self._ready(job)]
+    def _ready(self, job: Job) -> bool:
+        """Not finished by a launched step (its report may be pending) and, streaming, its
+        input there."""
+        if job.finishing:
+            return False
+        return self.streaming is None or self.streaming.ready(job.state)
+
+    def _pick(self, ready: list[Job]) -> list[Job]:
         if self.streaming is not None:
             # A stream's latency is per chunk: the job that stepped longest ago goes first
             # (arrival order among equals), so a long stream never starves a newer one's start.
-            ready.sort(key=lambda job: job.last_step)
+            ready = sorted(ready, key=lambda job: job.last_step)
         oldest = ready[0]
         key = self.runner.batch_key(oldest.state)
         batch, cost = [oldest], oldest.cost
@@ -213,36 +257,99 @@ class StepScheduler:
                 cost += job.cost
         return batch
 
-    def _advance(self, batch: list[Job]) -> None:
-        """One step, and (streaming) the chunks it made, in one call on the compute thread."""
+    def _advance(self, batch: list[Job]) -> Launched:
+        """One step on the compute thread, and what its reports will need: (streaming) the
+        chunks it made, the NaN flags and checkpoints, the device events around it. Nothing
+        here waits for the device, except a streaming runner reading its tokens."""
+        start = end = None
+        if self.timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         self.runner.step([job.state for job in batch])
+        for job in batch:
+            job.finishing = self.runner.is_done(job.state)
         if self.streaming is not None:
             for job in batch:
                 job.partial = self.streaming.take_partial(job.state)
+        launched = Launched(
+            jobs=batch,
+            done=[job.state.step_index for job in batch],
+            finished=[job.finishing for job in batch],
+            finite=_on_host([self.runner.is_finite(job.state) for job in batch]),
+            checkpoints=[self._checkpoint_due(job) for job in batch],
+            started_at=time.perf_counter(),
+            wait=any(self._preview_due(job) for job in batch),
+        )
+        if self.timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            launched.start, launched.end = start, end
+        return launched
 
-    async def _step(self, batch: list[Job]) -> list[Job]:
-        """One step for `batch`; returns the jobs that stepped (failed ones are retired)."""
+    def _checkpoint_due(self, job: Job) -> StageState | None:
+        every, done = job.call.checkpoint_every, job.state.step_index
+        if every and done % every == 0 and done < job.state.total_steps:
+            return self.runner.checkpoint(job.state)
+        return None
+
+    def _preview_due(self, job: Job) -> bool:
+        every, done = job.call.preview_every, job.state.step_index
+        return bool(every) and (done % every == 0 or done == job.state.total_steps)
+
+    async def _launch(self, batch: list[Job]) -> Launched | None:
+        """Launch one step for `batch`; a step that fails is retried job by job, so one bad
+        request fails alone. None when no job stepped."""
         try:
-            await self.compute(self._advance, batch)
+            return await self.compute(self._advance, batch)
         except Exception:
             if len(batch) == 1:
                 self._fail(batch[0])
-                return []
+                return None
             log.warning("a step of %d requests failed; retrying them one by one", len(batch))
-            stepped = []
-            for job in batch:
-                stepped += await self._step([job])
-            return stepped
-        healthy = []
-        for job in batch:
-            if self.runner.is_finite(job.state):
-                healthy.append(job)
-            else:
+            parts = [await self._launch([job]) for job in batch]
+            return _joined([part for part in parts if part is not None])
+
+    async def _complete(self, launched: Launched) -> None:
+        """Wait for a launched step to end on the device, then report it: NaN checks,
+        progress, finished requests."""
+        try:
+            if launched.end is not None:
+                await asyncio.to_thread(launched.end.synchronize)
+            self.step_ms = self._account(launched)
+        except Exception:  # the device failed the step (an asynchronous CUDA error)
+            for job in launched.jobs:
+                if job in self.jobs:
+                    self._fail(job)
+            return
+        self.batch_sizes = [*self.batch_sizes[-99:], len(launched.jobs)]
+        now = time.monotonic()
+        for i, job in enumerate(launched.jobs):
+            if job not in self.jobs:  # failed, cancelled or expired since the launch
+                continue
+            if not bool(launched.finite[i]):
                 log.error("request %s: the step produced NaN or Inf", job.call.request_id)
                 self._retire(
                     job, OmniError(f"request {job.call.request_id}: {self.name} produced NaN or Inf")
                 )
-        return healthy
+                continue
+            job.last_step = now
+            try:
+                await self._report(job, launched, i)
+            except Exception:  # a fault of the scheduler itself: fail the job, keep serving
+                self._fail(job)
+
+    def _account(self, launched: Launched) -> float:
+        """The step's duration in ms (device time on a GPU), added to the totals."""
+        totals = self.totals
+        totals.steps += 1
+        if launched.start is None or launched.end is None:
+            return (time.perf_counter() - launched.started_at) * 1e3
+        device_ms = launched.start.elapsed_time(launched.end)
+        totals.device_s += device_ms / 1e3
+        if self._last_end is not None:
+            totals.idle_s += max(self._last_end.elapsed_time(launched.start), 0.0) / 1e3
+        self._last_end = launched.end
+        return device_ms
 
     def _fail(self, job: Job) -> None:
         log.exception("request %s: %s step failed", job.call.request_id, self.name)
@@ -254,31 +361,62 @@ class StepScheduler:
             self._left.append(job.state)
         job.events.put_nowait(event)
 
-    async def _release_left(self) -> None:
-        """Free what unfinished jobs held (a KV slot), between steps: no step uses them then."""
-        while self._left:
-            state = self._left.pop()
+    async def _release_left(self, in_flight: Launched | None) -> None:
+        """Free what unfinished jobs held (a KV slot), between steps: no step uses them then
+        (a state in the step still on the device waits for the next round)."""
+        busy = {id(job.state) for job in in_flight.jobs} if in_flight is not None else set()
+        for state in [state for state in self._left if id(state) not in busy]:
+            self._left.remove(state)
             try:
                 await self.compute(self.runner.release, state)
             except Exception:
                 log.exception("%s: releasing a request's state failed", self.name)
 
-    async def _report(self, job: Job, step_ms: float) -> None:
+    async def _report(self, job: Job, launched: Launched, i: int) -> None:
+        """Progress after the launched step of `job`, its i-th (its chunk, checkpoint, preview
+        as due), then its result if that was its last step."""
         state, call = job.state, job.call
-        done = state.step_index
+        done, checkpoint, step_ms = launched.done[i], launched.checkpoints[i], self.step_ms
         every = max(call.progress_every, 1)
-        checkpoint = call.checkpoint_every and done % call.checkpoint_every == 0 and done < state.total_steps
         partial, job.partial = job.partial, None
-        if done % every == 0 or done == state.total_steps or checkpoint or partial is not None:
+        if done % every == 0 or done == state.total_steps or checkpoint is not None or partial is not None:
             progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
-            if call.preview_every and (done % call.preview_every == 0 or done == state.total_steps):
+            if self._preview_due(job):  # its step was completed before the next launch
                 progress.preview_png = await self.compute(_preview_png, self.runner, state)
-            if checkpoint:
-                progress.checkpoint = await self.compute(self.runner.checkpoint, state)
+            progress.checkpoint = checkpoint
             job.events.put_nowait(progress)
-        if self.runner.is_done(state):
+        if launched.finished[i]:
             self.jobs.remove(job)
             try:
                 job.events.put_nowait(await self.compute(self.runner.finish, state))
             except Exception:
                 self._fail(job)
+
+
+def _on_host(flags: list[bool | torch.Tensor]) -> list[bool | torch.Tensor]:
+    """NaN flags as host values; flags on a GPU are copied into pinned memory without waiting
+    (valid once the step's end event, recorded after the copy, has passed): reading a device
+    value directly would wait for every step queued behind it."""
+    if not flags or not all(isinstance(f, torch.Tensor) and f.is_cuda for f in flags):
+        return [bool(flag) for flag in flags]
+    device = torch.stack([torch.as_tensor(flag).reshape(()) for flag in flags])
+    host = torch.empty(device.shape, dtype=torch.bool, pin_memory=True)
+    host.copy_(device, non_blocking=True)
+    return list(host)
+
+
+def _joined(parts: list[Launched]) -> Launched | None:
+    """Steps launched one job at a time (after a batch failed), reported as one."""
+    if not parts:
+        return None
+    return Launched(
+        jobs=[job for part in parts for job in part.jobs],
+        done=[done for part in parts for done in part.done],
+        finished=[f for part in parts for f in part.finished],
+        finite=[flag for part in parts for flag in part.finite],
+        checkpoints=[c for part in parts for c in part.checkpoints],
+        started_at=parts[0].started_at,
+        start=parts[0].start,
+        end=parts[-1].end,
+        wait=any(part.wait for part in parts),
+    )

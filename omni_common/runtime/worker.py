@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -30,10 +31,12 @@ from omni_common.models.base import (
 )
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
+from omni_common.runtime.compile_cache import use_compile_cache
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
 from omni_common.runtime.offload import LayerwiseOffload
-from omni_common.runtime.roles import RoleHandler, RoleLimits, role_handler
+from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
+from omni_common.runtime.step_scheduler import StepTotals
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")
@@ -85,6 +88,8 @@ class Worker:
             torch.get_num_threads(),
             ", ".join(spec.name for spec in self.role_specs),
         )
+        if config.compile_cache:
+            use_compile_cache(Path(config.compile_cache))
         context = self.stage_context()
         self.model = self._load_model(context)
         has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
@@ -95,7 +100,7 @@ class Worker:
         )
         limits = self.role_limits()
         self.handlers: dict[str, RoleHandler] = {
-            spec.name: role_handler(spec, self.model.runners[spec.name], self.compute, limits)
+            spec.name: role_handler(spec, self.model.runners[spec.name], self.compute, limits, self.device)
             for spec in self.role_specs
         }
 
@@ -155,6 +160,10 @@ class Worker:
     def load(self) -> int:
         """The stage's load signal for routing: the sum of its roles' work."""
         return sum(handler.load() for handler in self.handlers.values())
+
+    def step_totals(self) -> dict[str, StepTotals]:
+        """Steps and their device and idle time, by step-wise role (metrics)."""
+        return {name: h.totals for name, h in self.handlers.items() if isinstance(h, StepRole)}
 
     def validate(self, request: GenerationRequest) -> None:
         self.family.validate(request)

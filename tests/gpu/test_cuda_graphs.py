@@ -151,3 +151,21 @@ def test_a_capture_goes_through_while_another_thread_moves_tensors(denoiser) -> 
     assert not errors, errors
     assert moved[0] > 0 and len(denoiser.graphed.cache) == 1
     torch.testing.assert_close(got, eager(denoiser, *args), atol=ATOL, rtol=0)
+
+
+def test_after_the_warm_up_real_prompt_lengths_compile_nothing_new(tiny_model: Path) -> None:
+    """A bucket without a graph runs the compiled forward on the real shapes; the warm-up
+    compiled those for dynamic prompt lengths and batches, so a new length recompiles nothing."""
+    from torch._dynamo.utils import counters
+
+    options = DenoiserOptions(compile=True, capture_sizes=((64, 64),), max_batch=4)
+    compiled = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for rows, length_seed in ((1, 5), (3, 6)):
+        latents, timestep, embeds, img_shapes = forward_inputs(compiled, rows, length_seed)
+        embeds = embeds[:, : 4 + length_seed]  # prompt lengths the warm-up never saw
+        got = graphed(compiled, latents, timestep, embeds, img_shapes)
+        torch.testing.assert_close(
+            got, eager(compiled, latents, timestep, embeds, img_shapes), atol=1e-4, rtol=0
+        )
+    assert counters["stats"]["unique_graphs"] == graphs_before

@@ -155,7 +155,7 @@ def test_pods_get_a_memory_backed_dev_shm_with_a_size_limit(name: str) -> None:
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_stages_mount_the_models_where_compose_does(stage: str) -> None:
-    (compose_volume,) = COMPOSE_DOC["services"][stage]["volumes"]
+    compose_volume = COMPOSE_DOC["services"][stage]["volumes"][0]
     _, target, _ = interpolate(compose_volume, {}).split(":")
     (mount,) = [m for m in container(stage)["volumeMounts"] if m["mountPath"] == target]
     assert mount.get("readOnly") is True
@@ -163,6 +163,19 @@ def test_stages_mount_the_models_where_compose_does(stage: str) -> None:
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     claim = volume["persistentVolumeClaim"]["claimName"]
     assert find("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+def test_the_dit_keeps_its_compile_cache_on_a_shared_volume_as_in_compose() -> None:
+    compose = COMPOSE_DOC["services"]["dit-denoise"]
+    target = compose["environment"]["OMNISTAGE_COMPILE_CACHE"]
+    assert any(interpolate(v, {}).split(":")[1] == target for v in compose["volumes"])
+    env = {e["name"]: e.get("value") for e in container("dit-denoise")["env"]}
+    assert env["OMNISTAGE_COMPILE_CACHE"] == target
+    (mount,) = [m for m in container("dit-denoise")["volumeMounts"] if m["mountPath"] == target]
+    pod = find("Deployment", "dit-denoise")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = find("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica reads and writes it
 
 
 @pytest.mark.parametrize("name", SERVICES)

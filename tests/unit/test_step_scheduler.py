@@ -3,6 +3,10 @@ its own result, and failures, deadlines, cancels and a full queue stay with thei
 
 Batched results are compared with tolerance 1e-5 (fp32): a batched forward runs different
 matmul shapes than a lone one, so results differ by rounding (~1e-6 measured), never more.
+
+The tests that pin ordering and failure run both loops: in order (CPU's default) and
+overlapped (a GPU's: step k+1 launched before step k is reported; on the CPU the launch
+computes, which changes nothing about the order of events).
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from omni_common.runtime.step_scheduler import StepScheduler
 
 CPU = torch.device("cpu")
 TOL = 1e-5
+
+
+@pytest.fixture(params=[False, True], ids=["in-order", "overlapped"])
+def overlap(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +86,12 @@ async def result_of(
     raise AssertionError("no result")
 
 
-def test_requests_joining_between_steps_match_their_solo_results(runners) -> None:  # type: ignore[no-untyped-def]
+def test_requests_joining_between_steps_match_their_solo_results(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     first = call(runners, "a red house", num_inference_steps=6, seed=1)
     late = call(runners, "a much longer prompt about a small blue boat at sea", num_inference_steps=3, seed=2)
 
     async def main(compute: Compute) -> tuple[StageState, StageState, list[int]]:
-        scheduler = StepScheduler(runners[1], compute)
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
         joined = asyncio.Event()
         steps_of_first: list[int] = []
 
@@ -104,7 +113,7 @@ def test_requests_joining_between_steps_match_their_solo_results(runners) -> Non
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
-def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners) -> None:  # type: ignore[no-untyped-def]
+def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     calls = [
         call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
         call(runners, "plain one", seed=4),
@@ -113,7 +122,7 @@ def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(run
     ]
 
     async def main(compute: Compute) -> tuple[list[StageState], list[int]]:
-        scheduler = StepScheduler(runners[1], compute)
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
         results = await asyncio.gather(*(result_of(scheduler.run(c)) for c in calls))
         scheduler.close()
         return list(results), list(scheduler.batch_sizes)
@@ -173,12 +182,14 @@ class Poisoned:
 
 
 @pytest.mark.parametrize("poison", ["please raise", "a nan prompt"])
-def test_a_poisoned_request_fails_alone_and_its_batch_mates_finish_correctly(runners, poison) -> None:  # type: ignore[no-untyped-def]
+def test_a_poisoned_request_fails_alone_and_its_batch_mates_finish_correctly(
+    runners, overlap, poison
+) -> None:  # type: ignore[no-untyped-def]
     good = [call(runners, "good one", seed=1), call(runners, "good two", seed=2)]
     bad = call(runners, poison, seed=3)
 
     async def main(compute: Compute) -> list[Any]:
-        scheduler = StepScheduler(Poisoned(runners[1]), compute)  # type: ignore[arg-type]
+        scheduler = StepScheduler(Poisoned(runners[1]), compute, overlap=overlap)  # type: ignore[arg-type]
         results = await asyncio.gather(
             *(result_of(scheduler.run(c)) for c in (good[0], bad, good[1])), return_exceptions=True
         )
@@ -229,11 +240,11 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(runners) -> None: 
     assert "dit-denoise is at capacity" in err.message and err.retry_after_ms is not None
 
 
-def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     c = call(runners, "leaving", num_inference_steps=500)
 
     async def main(compute: Compute) -> tuple[int, int]:
-        scheduler = StepScheduler(runners[1], compute)
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
         events = scheduler.run(c)
         async for event in events:
             if event.step == 3:
@@ -246,3 +257,34 @@ def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners) -> N
 
     left, steps = run_async(main)
     assert left == 0 and steps < 10
+
+
+def test_overlapped_steps_report_in_order_with_checkpoints_of_the_step_they_name(runners) -> None:  # type: ignore[no-untyped-def]
+    c = call(runners, "checkpointed", num_inference_steps=6, seed=7)
+    c = StageCall(c.request_id, c.request, c.inputs, checkpoint_every=2)
+    other = call(runners, "keeps the device busy", num_inference_steps=6, seed=8)
+
+    async def main(compute: Compute) -> tuple[list[Any], int]:
+        scheduler = StepScheduler(runners[1], compute, overlap=True)
+        events: list[Any] = []
+
+        async def collect() -> None:
+            async for event in scheduler.run(c):
+                events.append(event)
+
+        await asyncio.gather(collect(), result_of(scheduler.run(other)))
+        scheduler.close()
+        return events, scheduler.totals.steps
+
+    events, steps = run_async(main)
+    progress, result = events[:-1], events[-1]
+    assert [p.step for p in progress] == list(range(1, 7)) and 6 <= steps <= 12
+    denoiser = runners[1]
+    state = denoiser.prepare(c.request, c.inputs)
+    for p in progress:
+        denoiser.step([state])
+        if p.checkpoint is not None:
+            assert p.step in (2, 4) and p.checkpoint.meta["step_index"] == str(p.step)
+            torch.testing.assert_close(p.checkpoint.tensors["latents"], state.latents, atol=TOL, rtol=0)
+    assert sum(p.checkpoint is not None for p in progress) == 2
+    torch.testing.assert_close(result.tensors["latents"], state.latents, atol=TOL, rtol=0)

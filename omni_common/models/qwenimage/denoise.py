@@ -30,14 +30,19 @@ from diffusers.utils.torch_utils import randn_tensor
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
 from omni_common.models.latents import LatentState, LatentSteps, latent_preview
-from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
+from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
+from omni_common.models.qwenimage.step_cache import (
+    StepCache,
+    cached_forward,
+    check_cacheable,
+    log_reuse,
+    step_cache_threshold,
+)
+from omni_common.models.qwenimage.warmup import warm_up
 from omni_common.models.weights import load_component
 from omni_common.runtime.cuda_graphs import Inputs
 
 DEFAULT_VAE_SCALE_FACTOR = 8
-# Graphs captured at start cover prompts of up to this many tokens (most prompts); a longer
-# prompt's bucket is captured when it first comes.
-CAPTURE_TEXT_TOKENS = 64
 
 
 def vae_scale_factor_for(model_dir: Path) -> int:
@@ -59,6 +64,8 @@ class QwenImageDenoiseState(LatentState):
     prompt_embeds_mask: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds_mask: torch.Tensor | None = None
+    # The "step_cache" option's first-block cache (device tensors); None when it is off.
+    step_cache: StepCache | None = None
 
 
 class QwenImageDenoiser(LatentSteps):
@@ -101,24 +108,31 @@ class QwenImageDenoiser(LatentSteps):
         return denoiser
 
     def configure(self, options: DenoiserOptions) -> None:
-        """Attention backend, compilation and CUDA graphs (captured ahead for the sizes asked)."""
+        """Attention backend, compilation and CUDA graphs, compiled and captured ahead for the
+        sizes asked (warmup.py)."""
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
         if options.compile:
+            # Each graph bucket and real-shape variant compiles once (warmup.py); the default
+            # limit of 8 would leave later ones eager, silently.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.transformer.compile_repeated_blocks(fullgraph=True)
-        if not options.cuda_graphs:
-            return
-        if self.device.type != "cuda":
-            raise InvalidArgument(f"CUDA graphs need a CUDA device; this denoiser runs on {self.device}")
-        self.graphed = GraphedTransformer(self.transformer, transformer_forward, self.device)
-        rows = [b for b in BATCH_BUCKETS if b <= options.max_batch]
-        texts = [t for t in TEXT_BUCKETS if t <= CAPTURE_TEXT_TOKENS]
-        for width, height in options.capture_sizes:
-            img_shape = self.img_shape(width, height)
-            with torch.inference_mode():
-                for batch in rows:
-                    for text in texts:
-                        self.graphed.capture(batch, img_shape, text, self.dtype)
+        if options.cuda_graphs:
+            if self.device.type != "cuda":
+                raise InvalidArgument(f"CUDA graphs need a CUDA device; this denoiser runs on {self.device}")
+            self.graphed = GraphedTransformer(self.transformer, transformer_forward, self.device)
+        if options.compile or options.cuda_graphs:
+            config = self.transformer.config
+            warm_up(
+                lambda inputs, img_shapes: transformer_forward(self.transformer, inputs, img_shapes),
+                self.graphed,
+                [self.img_shape(width, height) for width, height in options.capture_sizes],
+                options.max_batch,
+                config["in_channels"],
+                config["joint_attention_dim"],
+                self.dtype,
+                self.device,
+            )
 
     def img_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """(frames, patch rows, patch columns) of an image of `width` x `height` pixels."""
@@ -159,6 +173,9 @@ class QwenImageDenoiser(LatentSteps):
         )
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
         scheduler.set_begin_index(0)
+        threshold = step_cache_threshold(request)
+        if threshold > 0:
+            check_cacheable(self.transformer)
         return QwenImageDenoiseState(
             request=request,
             step_index=0,
@@ -171,11 +188,15 @@ class QwenImageDenoiser(LatentSteps):
             negative_prompt_embeds=embeds.get("negative_prompt_embeds"),
             negative_prompt_embeds_mask=embeds.get("negative_prompt_embeds_mask"),
             img_shapes=img_shapes,
+            step_cache=StepCache(threshold) if threshold > 0 else None,
         )
 
     def batch_key(self, state: StepState) -> Hashable:
         request = state.request
-        return (request.height, request.width, request.do_true_cfg, self.dtype)
+        # Cached steps run eagerly: they never batch with uncached ones (which keep their CUDA
+        # graphs); thresholds may differ within a batch, the decision is per request.
+        cached = step_cache_threshold(request) > 0
+        return (request.height, request.width, request.do_true_cfg, self.dtype, cached)
 
     def step_cost(self, state: StepState) -> int:
         """Transformer image tokens of one step: (H/16)(W/16), doubled by CFG."""
@@ -183,21 +204,28 @@ class QwenImageDenoiser(LatentSteps):
         return (request.width // 16) * (request.height // 16) * (2 if request.do_true_cfg else 1)
 
     def release(self, state: StepState) -> None:
-        """Nothing: a state holds only its own tensors."""
+        """Drop the state's step cache (latent-sized device tensors) now rather than whenever
+        the state itself goes; nothing else is held outside the state."""
+        assert isinstance(state, QwenImageDenoiseState)
+        if state.step_cache is not None:
+            state.step_cache.drop()
 
     def step(self, states: Sequence[StepState]) -> None:
         """Advance each state by one step, all of them in one transformer forward.
 
         The states must share a batch key; they may differ in prompt, prompt length, seed, step
         count and step index. A lone state takes the pipeline's own path (bitwise diffusers);
-        several are batched, which equals their lone runs up to float rounding.
+        several are batched, which equals their lone runs up to float rounding. States with
+        the step cache on (a batch key) go through step_cache.cached_forward, alone or not.
         """
         batch = [self._checked(state) for state in states]
         if len({self.batch_key(state) for state in batch}) > 1:
             raise ValueError("step() got states of different batch keys; group them by batch_key()")
         if len({id(state) for state in batch}) != len(batch):
             raise ValueError("step() got the same state twice")
-        if len(batch) == 1:
+        if batch and batch[0].step_cache is not None:
+            self._step_cached(batch)
+        elif len(batch) == 1:
             self._step_one(batch[0])
         elif batch:
             self._step_batch(batch)
@@ -234,13 +262,31 @@ class QwenImageDenoiser(LatentSteps):
     def _step_batch(self, states: list[QwenImageDenoiseState]) -> None:
         """Several requests in one forward: per-sample timesteps and right-padded prompts with
         a mask; with CFG the batch is doubled (all conditional, then all unconditional)."""
+        batch = self._batch_inputs(states)
+        noise_preds = self._forward(batch.latents, batch.timestep, batch.embeds, batch.mask, batch.img_shapes)
+        self._batch_steps(states, noise_preds, batch.ts)
+
+    @torch.inference_mode()
+    def _step_cached(self, states: list[QwenImageDenoiseState]) -> None:
+        """_step_batch's forward with each request's first-block cache, for one state too.
+        Every request computes its last step: nothing after it would correct a reused tail's
+        error, and that step's prediction is the final image's last detail."""
+        batch = self._batch_inputs(states)
+        inputs = forward_inputs(batch.latents, batch.timestep, batch.embeds.to(self.dtype), batch.mask)
+        caches = [state.step_cache for state in states if state.step_cache is not None]
+        if len(caches) != len(states):
+            raise ValueError("step() got states with and without a step cache")  # the batch key differs
+        last = [state.step_index == state.total_steps - 1 for state in states]
+        noise_preds = cached_forward(self.transformer, inputs, batch.img_shapes, caches, last)
+        self._batch_steps(states, noise_preds, batch.ts)
+
+    def _batch_inputs(self, states: list[QwenImageDenoiseState]) -> BatchInputs:
         latents = torch.cat([state.latents for state in states])
         ts = [state.timesteps[state.step_index] for state in states]
         timestep = torch.stack(ts).to(latents.dtype)  # each rounded in the model dtype, as alone
         texts = [(state.prompt_embeds, state.prompt_embeds_mask) for state in states]
         img_shapes = [shape for state in states for shape in state.img_shapes]
-        cfg = states[0].request.do_true_cfg  # part of the batch key: equal for all
-        if cfg:
+        if states[0].request.do_true_cfg:  # part of the batch key: equal for all
             for state in states:
                 assert state.negative_prompt_embeds is not None
                 texts.append((state.negative_prompt_embeds, state.negative_prompt_embeds_mask))
@@ -248,7 +294,13 @@ class QwenImageDenoiser(LatentSteps):
             timestep = torch.cat([timestep, timestep])
             img_shapes = img_shapes + img_shapes
         embeds, mask = pad_prompts(texts, self.dtype)
-        noise_preds = self._forward(latents, timestep, embeds, mask, img_shapes)
+        return BatchInputs(latents, timestep, embeds, mask, img_shapes, ts)
+
+    def _batch_steps(
+        self, states: list[QwenImageDenoiseState], noise_preds: torch.Tensor, ts: list[torch.Tensor]
+    ) -> None:
+        """Each state's rows of a batched prediction, guided with CFG, then its Euler step."""
+        cfg = states[0].request.do_true_cfg
         for i, (state, t) in enumerate(zip(states, ts, strict=True)):
             noise_pred = noise_preds[i : i + 1]
             if cfg:
@@ -275,10 +327,9 @@ class QwenImageDenoiser(LatentSteps):
             replayed = self.graphed(latents, timestep, embeds, mask, img_shapes)
             if replayed is not None:
                 return replayed
-        inputs = {"latents": latents, "timestep": timestep, "embeds": embeds}
-        if mask is not None:
-            inputs["mask"] = mask
-        return transformer_forward(self.transformer, inputs, img_shapes)
+        return transformer_forward(
+            self.transformer, forward_inputs(latents, timestep, embeds, mask), img_shapes
+        )
 
     def preview(self, state: StepState) -> np.ndarray:
         """The current latents as a small picture: unpacked to [C, h, w], the first three
@@ -298,10 +349,35 @@ class QwenImageDenoiser(LatentSteps):
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
         assert isinstance(state, QwenImageDenoiseState)
         request = state.request
+        if state.step_cache is not None:
+            log_reuse(state.step_cache, request)
+            state.step_cache.drop()
         return StageState(
             tensors={"latents": state.latents},
             meta={"height": str(request.height), "width": str(request.width)},
         )
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """One batched forward's inputs (CFG doubles the rows) and each state's timestep."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    embeds: torch.Tensor
+    mask: torch.Tensor | None
+    img_shapes: ImgShapes
+    ts: list[torch.Tensor]
+
+
+def forward_inputs(
+    latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor | None
+) -> Inputs:
+    """transformer_forward's named inputs; no "mask" for an unpadded prompt."""
+    inputs = {"latents": latents, "timestep": timestep, "embeds": embeds}
+    if mask is not None:
+        inputs["mask"] = mask
+    return inputs
 
 
 def transformer_forward(

@@ -11,6 +11,7 @@ from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
     ModuleDeclaration,
+    OptionSpec,
     Plan,
     PlanStep,
     RoleSpec,
@@ -48,6 +49,18 @@ MODULES = ModuleDeclaration(
     layers=("transformer.transformer_blocks",),
 )
 
+OPTIONS = (
+    OptionSpec(
+        "step_cache",
+        "float",
+        "0",
+        0,
+        1,
+        "first-block cache threshold: 0 off; ~0.05-0.15 reuses the transformer's later blocks on "
+        "steps where the first block's residual changed by less than this (faster, not exact)",
+    ),
+)
+
 ROLES = (
     RoleSpec("text-encoder", "ar-encoder", "async", "Qwen2.5-VL's LM: prompt -> hidden states (cached)"),
     RoleSpec("denoise", "dit-denoise", "steps", "QwenImageTransformer2DModel, flow-matching Euler"),
@@ -59,7 +72,7 @@ class QwenImageFamily:
     """diffusers' QwenImagePipeline split into encode / denoise / decode."""
 
     name = "qwenimage"
-    card = ModelCard(inputs=("text",), outputs=("image",), size_multiple=SIZE_MULTIPLE)
+    card = ModelCard(inputs=("text",), outputs=("image",), options=OPTIONS, size_multiple=SIZE_MULTIPLE)
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES
 

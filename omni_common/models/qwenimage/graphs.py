@@ -87,10 +87,10 @@ def capturable_text_mask() -> Iterator[None]:
 
 class GraphedTransformer:
     """The transformer's forward by bucket: captured on first use (or ahead, `capture`) and
-    replayed after where a replay pays, else run eagerly on the same padded inputs. Either
-    way a compiled transformer only ever sees the bucket shapes, which `capture` compiles
-    ahead, so no request waits for a recompilation. Shapes beyond the largest bucket return
-    None: the caller runs them as they are."""
+    replayed after where a replay pays. A bucket without a graph, or a shape beyond the
+    largest bucket, returns None: the caller runs the forward on the real shapes, with no
+    padding and no mask where none is needed (the masked attention costs 3-7% at 1024x1024,
+    docs/benchmarks.md), compiled for dynamic prompt lengths ahead (warmup.py)."""
 
     def __init__(
         self,
@@ -125,9 +125,7 @@ class GraphedTransformer:
                 return self.forward(self.transformer, static, shapes)
 
         output = self.cache.run(key, inputs, run)
-        if output is None:  # no graph for this bucket: eager, on the bucket's shapes
-            output = self.forward(self.transformer, inputs, shapes)
-        return output[:rows]
+        return None if output is None else output[:rows]
 
     def capture(self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype) -> None:
         """Capture (and compile) the bucket of `rows` requests at one image shape (frames,

@@ -119,3 +119,23 @@ def test_capture_sizes_parse_as_width_by_height() -> None:
     assert parse_sizes("") == ()
     with pytest.raises(SystemExit, match="WIDTHxHEIGHT"):
         parse_sizes("512")
+
+
+def test_the_warm_up_runs_every_shape_and_says_how_far_it_is(tiny_model: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    from omni_common.models.qwenimage.warmup import warm_up
+
+    denoiser = QwenImageDenoiser.load(tiny_model, torch.device("cpu"), torch.float32)
+    config = denoiser.transformer.config
+    shapes: list[tuple[int, tuple[int, ...]]] = []
+
+    def forward(inputs, img_shapes):  # type: ignore[no-untyped-def]
+        shapes.append((len(img_shapes), tuple(inputs["embeds"].shape[:2])))
+        return transformer_forward(denoiser.transformer, inputs, img_shapes)
+
+    with caplog.at_level("INFO", logger="omnistage.warmup"):
+        warm_up(
+            forward, None, [denoiser.img_shape(64, 64)], 2, config["in_channels"],
+            config["joint_attention_dim"], torch.float32, torch.device("cpu"),
+        )  # fmt: skip
+    assert shapes == [(1, (1, 17)), (1, (1, 23)), (1, (1, 23)), (2, (2, 17)), (2, (2, 23)), (2, (2, 23))]
+    assert "warm-up 2/2: batch 2" in caplog.text

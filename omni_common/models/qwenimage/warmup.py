@@ -1,0 +1,77 @@
+"""Compile and capture the DiT ahead of its first request, with progress in the log.
+
+For each size the stage is told it will serve (--capture-sizes) and each batch bucket up to
+--max-batch, the warm-up runs every forward a request of that shape can take:
+- the graph buckets (prompt padded to 32 and 64 tokens under a mask), captured where a
+  replay pays (graphs.GraphedTransformer);
+- the forward on real shapes, which a bucket without a graph runs: unmasked at two prompt
+  lengths and masked once (prompts of different lengths batched), so the compiled blocks
+  take the prompt length and batch as dynamic from the start and no request waits for a
+  recompilation.
+With a warm compile cache (--compile-cache) each of these loads instead of compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
+from omni_common.runtime.cuda_graphs import Inputs
+
+log = logging.getLogger("omnistage.warmup")
+
+# Graphs captured at start cover prompts of up to this many tokens (most prompts); a longer
+# prompt's bucket is captured when it first comes.
+CAPTURE_TEXT_TOKENS = 64
+# Two real prompt lengths: the second makes the compiler generalise the first.
+REAL_TEXT_TOKENS = (17, 23)
+
+Forward = Callable[[Inputs, ImgShapes], torch.Tensor]
+
+
+def warm_up(
+    forward: Forward,
+    graphed: GraphedTransformer | None,
+    img_shapes: list[tuple[int, int, int]],
+    max_batch: int,
+    channels: int,
+    text_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Run (and so compile and capture) every forward shape of `img_shapes` (frames, patch
+    rows, patch columns) up to `max_batch` requests; logs one line per shape done."""
+    rows = [b for b in BATCH_BUCKETS if b <= max_batch]
+    shapes = [(img_shape, batch) for img_shape in img_shapes for batch in rows]
+    started = time.perf_counter()
+    for i, (img_shape, batch) in enumerate(shapes, 1):
+        frames, height, width = img_shape
+        with torch.inference_mode():
+            if graphed is not None:
+                for text in (t for t in TEXT_BUCKETS if t <= CAPTURE_TEXT_TOKENS):
+                    graphed.capture(batch, img_shape, text, dtype)
+            latents = torch.zeros((batch, frames * height * width, channels), dtype=dtype, device=device)
+            timestep = torch.full((batch,), 1000.0, dtype=dtype, device=device)
+            for length in REAL_TEXT_TOKENS:
+                embeds = torch.zeros((batch, length, text_dim), dtype=dtype, device=device)
+                forward({"latents": latents, "timestep": timestep, "embeds": embeds}, [[img_shape]] * batch)
+            mask = torch.ones((batch, length), dtype=torch.long, device=device)
+            mask[0, -1] = 0
+            forward(
+                {"latents": latents, "timestep": timestep, "embeds": embeds, "mask": mask},
+                [[img_shape]] * batch,
+            )
+        log.info(
+            "warm-up %d/%d: batch %d at %dx%d patches compiled%s (%.1f s so far)",
+            i,
+            len(shapes),
+            batch,
+            height,
+            width,
+            " and captured" if graphed is not None else "",
+            time.perf_counter() - started,
+        )
