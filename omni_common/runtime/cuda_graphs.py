@@ -18,11 +18,14 @@ KEEP_IF_FASTER; otherwise that key runs eagerly.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -30,6 +33,32 @@ log = logging.getLogger("omnistage.cuda_graphs")
 
 Inputs = dict[str, torch.Tensor]
 KEEP_IF_FASTER = 0.9  # a replay must take at most this share of the eager time
+
+
+class KeepDecisions:
+    """Whether each key's graph paid when it was timed, remembered in a JSON file (in the
+    compile cache) across restarts: a replay's gain depends on the model, the shapes and the
+    GPU, not on the run. A known key skips the timing runs: captured at once if it paid,
+    eager at once if not. A file that cannot be read is ignored and rewritten."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._keep: dict[str, bool] = {k: bool(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            self._keep = {}
+
+    def get(self, key: Hashable) -> bool | None:
+        return self._keep.get(repr(key))
+
+    def put(self, key: Hashable, keep: bool) -> None:
+        self._keep[repr(key)] = keep
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            partial.write_text(json.dumps(self._keep, indent=0, sort_keys=True))
+            partial.replace(self.path)  # atomic: replicas sharing the cache never read half a file
+        except OSError as err:
+            log.warning("cannot keep CUDA graph decisions in %s: %s", self.path, err)
 
 
 @dataclass(eq=False)
@@ -42,10 +71,17 @@ class _Captured:
 class CudaGraphCache:
     """Captured forwards by key, least recently used dropped beyond `max_graphs`."""
 
-    def __init__(self, device: torch.device, max_graphs: int = 64, warmup_runs: int = 2) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        max_graphs: int = 64,
+        warmup_runs: int = 2,
+        decisions: KeepDecisions | None = None,
+    ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.device = device
+        self.decisions = decisions
         self.max_graphs = max_graphs
         self.warmup_runs = warmup_runs
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
@@ -85,14 +121,19 @@ class CudaGraphCache:
     def _capture(
         self, key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]
     ) -> _Captured | None:
+        known = self.decisions.get(key) if self.decisions is not None else None
+        if known is False:  # timed on an earlier start: no gain
+            self._eager.add(key)
+            return None
         static = {name: value.clone() for name, value in inputs.items()}
         graph = torch.cuda.CUDAGraph()
+        warmup_runs = 1 if known else self.warmup_runs
         with torch.cuda.device(self.device):
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             try:
                 with torch.cuda.stream(self._stream):
                     # Lazy initialisation, caches, compilation; the last run is the eager time.
-                    eager_s = [self._timed(lambda: fn(static)) for _ in range(self.warmup_runs)][-1]
+                    eager_s = [self._timed(lambda: fn(static)) for _ in range(warmup_runs)][-1]
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
                 # Thread-local: the stage's event loop thread may open or export tensors
                 # (CUDA IPC, copies) meanwhile; only this thread must keep from syncing. No
@@ -108,8 +149,11 @@ class CudaGraphCache:
                 self._eager.add(key)
                 log.warning("cannot capture a CUDA graph for %s; running it eagerly: %s", key, err)
                 return None
-            replay_s = min(self._timed(graph.replay) for _ in range(2))
-        if replay_s > KEEP_IF_FASTER * eager_s:
+            replay_s = min(self._timed(graph.replay) for _ in range(1 if known else 2))
+        keep = bool(known) or replay_s <= KEEP_IF_FASTER * eager_s
+        if self.decisions is not None and known is None:
+            self.decisions.put(key, keep)
+        if not keep:
             self._eager.add(key)
             log.info(
                 "no CUDA graph for %s: a replay takes %.1f ms, eager %.1f ms",

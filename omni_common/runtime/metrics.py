@@ -88,7 +88,11 @@ class StageMetrics:
         series = (
             ("omnistage_steps", "Steps run (one per batch forward)", "steps"),
             ("omnistage_step_device_seconds", "Device time inside steps (CUDA events)", "device_s"),
-            ("omnistage_step_idle_seconds", "Device idle time between consecutive steps", "idle_s"),
+            (
+                "omnistage_step_idle_seconds",
+                "Device idle time between two steps of a running request",
+                "idle_s",
+            ),
         )
         for name, doc, attr in series:
             gauge = Gauge(name, doc, ["stage", "role"], registry=self.registry)

@@ -86,7 +86,8 @@ class Launched:
 @dataclass
 class StepTotals:
     """Steps run by one scheduler and where their time went (metrics): device time inside
-    the steps and device idle time between consecutive steps (CUDA; zero elsewhere)."""
+    the steps and device idle time between consecutive steps of a running request (CUDA;
+    zero elsewhere)."""
 
     steps: int = 0
     device_s: float = 0.0
@@ -131,6 +132,7 @@ class StepScheduler:
         self.overlap = (self.timed if overlap is None else overlap) and self.streaming is None
         self.totals = StepTotals()
         self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
+        self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
@@ -346,9 +348,12 @@ class StepScheduler:
             return (time.perf_counter() - launched.started_at) * 1e3
         device_ms = launched.start.elapsed_time(launched.end)
         totals.device_s += device_ms / 1e3
-        if self._last_end is not None:
+        # Idle time counts between two steps of one running request: the gap before a new
+        # request's first step is waiting for work, not a step's cost.
+        jobs = {id(job) for job in launched.jobs}
+        if self._last_end is not None and jobs & self._last_jobs:
             totals.idle_s += max(self._last_end.elapsed_time(launched.start), 0.0) / 1e3
-        self._last_end = launched.end
+        self._last_end, self._last_jobs = launched.end, jobs
         return device_ms
 
     def _fail(self, job: Job) -> None:

@@ -169,3 +169,20 @@ def test_after_the_warm_up_real_prompt_lengths_compile_nothing_new(tiny_model: P
             got, eager(compiled, latents, timestep, embeds, img_shapes), atol=1e-4, rtol=0
         )
     assert counters["stats"]["unique_graphs"] == graphs_before
+
+
+def test_a_restarted_cache_follows_the_keep_decisions_of_the_first(tmp_path: Path) -> None:
+    from omni_common.runtime.cuda_graphs import CudaGraphCache, KeepDecisions
+
+    def fn(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return inputs["x"] * 2 + 1
+
+    x = torch.arange(8.0, device=DEVICE)
+    CudaGraphCache(DEVICE, decisions=KeepDecisions(tmp_path / "keep.json")).run("k", {"x": x}, fn)
+    kept = KeepDecisions(tmp_path / "keep.json").get("k")
+    assert kept is not None
+    restarted = CudaGraphCache(DEVICE, decisions=KeepDecisions(tmp_path / "keep.json"))
+    out = restarted.run("k", {"x": x}, fn)
+    assert (out is not None) == kept and len(restarted) == int(kept)
+    if out is not None:
+        assert torch.equal(out, fn({"x": x}))

@@ -11,6 +11,8 @@ graphed forward equals the eager one up to float rounding (tests/gpu check both)
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 from collections.abc import Callable, Iterator
 
 import torch
@@ -18,7 +20,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
-from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs
+from omni_common.runtime.compile_cache import compile_cache_dir
+from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs, KeepDecisions
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
@@ -26,6 +29,20 @@ TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 ImgShapes = list[list[tuple[int, int, int]]]
 # The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
 Forward = Callable[[QwenImageTransformer2DModel, Inputs, ImgShapes], torch.Tensor]
+
+
+def keep_decisions(transformer: QwenImageTransformer2DModel, device: torch.device) -> KeepDecisions | None:
+    """Which buckets' graphs paid, in the compile cache (None without one), named by what
+    decides it: the GPU, PyTorch and the transformer's architecture."""
+    directory = compile_cache_dir()
+    if directory is None:
+        return None
+    what = json.dumps(
+        [torch.cuda.get_device_name(device), torch.__version__, dict(transformer.config)],
+        sort_keys=True,
+        default=str,
+    )
+    return KeepDecisions(directory / f"cuda-graphs-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json")
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -102,7 +119,9 @@ class GraphedTransformer:
         self.transformer = transformer
         self.forward = forward
         self.device = device
-        self.cache = CudaGraphCache(device, max_graphs=max_graphs)
+        self.cache = CudaGraphCache(
+            device, max_graphs=max_graphs, decisions=keep_decisions(transformer, device)
+        )
 
     def __call__(
         self,
