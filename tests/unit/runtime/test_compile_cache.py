@@ -1,5 +1,5 @@
 """The compile cache: PyTorch's caches pointed at the deployment's directory, and the CUDA
-graph keep decisions remembered there across restarts."""
+graphs' measured speed-ups (their keep decisions) remembered there across restarts."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def test_keep_decisions_outlive_the_process_that_timed_them(tmp_path: Path) -> N
     path = tmp_path / "cuda-graphs.json"
     first = KeepDecisions(path)
     assert first.get((1, 32, 1024)) is None
-    first.put((1, 32, 1024), True)
-    first.put((8, 64, 4096), False)
+    first.put((1, 32, 1024), 2.7)
+    first.put((8, 64, 4096), 0.97)
     again = KeepDecisions(path)  # a restarted replica
-    assert again.get((1, 32, 1024)) is True and again.get((8, 64, 4096)) is False
+    assert again.get((1, 32, 1024)) == 2.7 and again.get((8, 64, 4096)) == 0.97
     assert not list(tmp_path.glob("*.tmp"))
 
 
@@ -41,5 +41,5 @@ def test_an_unreadable_decision_file_is_ignored_and_rewritten(tmp_path: Path) ->
     path.write_text("{not json")
     decisions = KeepDecisions(path)
     assert decisions.get((1,)) is None
-    decisions.put((1,), True)
-    assert KeepDecisions(path).get((1,)) is True
+    decisions.put((1,), 1.5)
+    assert KeepDecisions(path).get((1,)) == 1.5
