@@ -24,8 +24,8 @@ the next batch, the asyncio hop) runs while the device computes. A step's NaN fl
 timings are device tensors and events, read once the step's end event has passed; nothing
 syncs the device between steps except a requested preview (it reads the latents: that step
 completes before the next is launched). Checkpoints are device copies taken at launch.
-Requests that finish at step k are known on the host at launch (step counts), so they are
-never stepped again; one whose step k made NaN may be stepped once more, then fails alone.
+Requests that finish at step k are known on the host at launch (runner.is_done), so they
+are never stepped again; one whose step k made NaN may be stepped once more, then fails alone.
 Streaming runners read their tokens every step and are never overlapped.
 """
 
@@ -77,10 +77,15 @@ class Launched:
     finished: list[bool]  # the step was the job's last (runner.is_done after it)
     finite: list[bool | torch.Tensor]
     checkpoints: list[StageState | None]
+    previews: list[bool]  # a preview is due: the step completes before the next launch
     started_at: float  # time.perf_counter() at launch
     start: torch.cuda.Event | None = None  # device events around the step (CUDA only)
     end: torch.cuda.Event | None = None
-    wait: bool = False  # complete it before launching the next (a preview reads the state)
+
+    @property
+    def wait(self) -> bool:
+        """Complete it before launching the next: a preview reads the state."""
+        return any(self.previews)
 
 
 @dataclass
@@ -263,7 +268,7 @@ class StepScheduler:
         """One step on the compute thread, and what its reports will need: (streaming) the
         chunks it made, the NaN flags and checkpoints, the device events around it. Nothing
         here waits for the device, except a streaming runner reading its tokens."""
-        start = end = None
+        started_at, start, end = time.perf_counter(), None, None
         if self.timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -279,8 +284,8 @@ class StepScheduler:
             finished=[job.finishing for job in batch],
             finite=_on_host([self.runner.is_finite(job.state) for job in batch]),
             checkpoints=[self._checkpoint_due(job) for job in batch],
-            started_at=time.perf_counter(),
-            wait=any(self._preview_due(job) for job in batch),
+            previews=[self._preview_due(job) for job in batch],
+            started_at=started_at,
         )
         if self.timed:
             end = torch.cuda.Event(enable_timing=True)
@@ -386,7 +391,7 @@ class StepScheduler:
         partial, job.partial = job.partial, None
         if done % every == 0 or done == state.total_steps or checkpoint is not None or partial is not None:
             progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
-            if self._preview_due(job):  # its step was completed before the next launch
+            if launched.previews[i]:  # its step was completed before the next launch
                 progress.preview_png = await self.compute(_preview_png, self.runner, state)
             progress.checkpoint = checkpoint
             job.events.put_nowait(progress)
@@ -420,8 +425,8 @@ def _joined(parts: list[Launched]) -> Launched | None:
         finished=[f for part in parts for f in part.finished],
         finite=[flag for part in parts for flag in part.finite],
         checkpoints=[c for part in parts for c in part.checkpoints],
+        previews=[p for part in parts for p in part.previews],
         started_at=parts[0].started_at,
         start=parts[0].start,
         end=parts[-1].end,
-        wait=any(part.wait for part in parts),
     )

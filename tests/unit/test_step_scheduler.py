@@ -288,3 +288,25 @@ def test_overlapped_steps_report_in_order_with_checkpoints_of_the_step_they_name
             torch.testing.assert_close(p.checkpoint.tensors["latents"], state.latents, atol=TOL, rtol=0)
     assert sum(p.checkpoint is not None for p in progress) == 2
     torch.testing.assert_close(result.tensors["latents"], state.latents, atol=TOL, rtol=0)
+
+
+def test_previews_show_the_step_they_are_reported_with(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+    from omni_common.imaging import to_png
+
+    c = call(runners, "previewed", num_inference_steps=5, seed=9)
+    c = StageCall(c.request_id, c.request, c.inputs, preview_every=2)
+
+    async def main(compute: Compute) -> list[Any]:
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
+        events = [event async for event in scheduler.run(c)]
+        scheduler.close()
+        return events
+
+    progress = [e for e in run_async(main)[:-1] if e.preview_png]
+    assert [p.step for p in progress] == [2, 4, 5]  # every 2nd step and the last
+    denoiser = runners[1]
+    state = denoiser.prepare(c.request, c.inputs)
+    for p in progress:
+        while state.step_index < p.step:
+            denoiser.step([state])
+        assert p.preview_png == to_png(denoiser.preview(state))
