@@ -73,6 +73,8 @@ class CoordinatorConfig:
     port: int = DEFAULT_PORTS["coordinator"]
     shm_dir: str = "/dev/shm"
     stage_timeout_s: float = 600.0
+    # With no healthy replica for a step: how long a request waits for one (0 = fail at once).
+    replica_wait_s: float = 30.0
     max_pixels: int = 4 * 1024 * 1024
     max_in_flight: int = 256
     offload: str = "none"
@@ -303,6 +305,13 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument("--stage-timeout", type=float, default=float(env("STAGE_TIMEOUT_S", "600")))
     parser.add_argument(
+        "--replica-wait",
+        type=float,
+        default=float(env("REPLICA_WAIT_S", "30")),
+        help="seconds a request waits for a healthy replica of a stage that has none (a restart, "
+        "scaling up) before it fails with UNAVAILABLE; within the request's deadline; 0: fail at once",
+    )
+    parser.add_argument(
         "--max-in-flight",
         type=int,
         default=int(env("MAX_IN_FLIGHT", "256")),
@@ -340,6 +349,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         port=args.port,
         shm_dir=args.shm_dir,
         stage_timeout_s=args.stage_timeout,
+        replica_wait_s=args.replica_wait,
         max_pixels=args.max_pixels,
         max_in_flight=args.max_in_flight,
         offload=args.offload,

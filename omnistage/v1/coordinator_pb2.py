@@ -26,7 +26,7 @@ from omnistage.v1 import stage_pb2 as omnistage_dot_v1_dot_stage__pb2
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomnistage/v1/coordinator.proto\x12\x0comnistage.v1\x1a\x18omnistage/v1/stage.proto\x1a\x19omnistage/v1/tensor.proto\"\xa7\x02\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.omnistage.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rreturn_tensor\x18\x03 \x01(\x08\x12\x16\n\x0eprogress_every\x18\x04 \x01(\r\x12/\n\x0cimage_format\x18\x05 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x15\n\rpreview_every\x18\x06 \x01(\r\x12(\n\x06inputs\x18\x07 \x03(\x0b\x32\x18.omnistage.v1.InputMedia\x12/\n\x0c\x61udio_format\x18\x08 \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\",\n\nInputMedia\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x42\x07\n\x05mediaJ\x04\x08\x02\x10\x03\"\x1e\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cStageStarted\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\"a\n\rStageFinished\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07wall_ms\x18\x02 \x01(\x02\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x08\"<\n\rTokenProgress\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"?\n\x0b\x44\x65noiseStep\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\x13\n\x0bpreview_png\x18\x03 \x01(\x0c\"(\n\x08RawChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xea\x01\n\x06Result\x12\r\n\x05image\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\'\n\x06tensor\x18\x04 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12/\n\x0cimage_format\x18\x06 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x13\n\x0bsample_rate\x18\t \x01(\r\x12\x15\n\raudio_samples\x18\n \x01(\x04\"\'\n\tTextDelta\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"y\n\nAudioChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\x12)\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd9\x03\n\rGenerateEvent\x12*\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x16.omnistage.v1.AcceptedH\x00\x12\x33\n\rstage_started\x18\x02 \x01(\x0b\x32\x1a.omnistage.v1.StageStartedH\x00\x12\x35\n\x0estage_finished\x18\x03 \x01(\x0b\x32\x1b.omnistage.v1.StageFinishedH\x00\x12)\n\x04step\x18\x04 \x01(\x0b\x32\x19.omnistage.v1.DenoiseStepH\x00\x12+\n\traw_chunk\x18\x05 \x01(\x0b\x32\x16.omnistage.v1.RawChunkH\x00\x12&\n\x06result\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.ResultH\x00\x12$\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x13.omnistage.v1.ErrorH\x00\x12-\n\x06tokens\x18\x08 \x01(\x0b\x32\x1b.omnistage.v1.TokenProgressH\x00\x12\'\n\x04text\x18\t \x01(\x0b\x32\x17.omnistage.v1.TextDeltaH\x00\x12)\n\x05\x61udio\x18\n \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"w\n\x0bModelOption\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x15\n\rdefault_value\x18\x03 \x01(\t\x12\x0f\n\x07minimum\x18\x04 \x01(\x01\x12\x0f\n\x07maximum\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\xe5\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x37\n\x08replicas\x18\x03 \x03(\x0b\x32%.omnistage.v1.ModelInfo.ReplicasEntry\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x12\n\nmax_images\x18\x05 \x01(\r\x12\x0f\n\x07outputs\x18\x06 \x03(\t\x12*\n\x07options\x18\x07 \x03(\x0b\x32\x19.omnistage.v1.ModelOption\x12\x31\n\x05roles\x18\x08 \x03(\x0b\x32\".omnistage.v1.ModelInfo.RolesEntry\x12\r\n\x05ready\x18\t \x01(\x08\x12\x37\n\x08\x64\x65\x66\x61ults\x18\n \x03(\x0b\x32%.omnistage.v1.ModelInfo.DefaultsEntry\x12\x15\n\rsize_multiple\x18\x0b \x01(\r\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a,\n\nRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a/\n\rDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.omnistage.v1.ModelInfo\"\"\n\x0eHeartbeatReply\x12\x10\n\x08lease_ms\x18\x01 \x01(\r*?\n\x0b\x41udioFormat\x12\x16\n\x12\x41UDIO_FORMAT_PCM16\x10\x00\x12\x18\n\x14\x41UDIO_FORMAT_FLOAT32\x10\x01*:\n\x0bImageFormat\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x00\x12\x15\n\x11IMAGE_FORMAT_RGB8\x10\x01\x32\x93\x01\n\x08Registry\x12\x42\n\tHeartbeat\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply\x12\x43\n\nDeregister\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply2\xed\x01\n\x0b\x43oordinator\x12H\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1b.omnistage.v1.GenerateEvent0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.omnistage.v1.CancelRequest\x1a\x1c.omnistage.v1.CancelResponse\x12O\n\nListModels\x12\x1f.omnistage.v1.ListModelsRequest\x1a .omnistage.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomnistage/v1/coordinator.proto\x12\x0comnistage.v1\x1a\x18omnistage/v1/stage.proto\x1a\x19omnistage/v1/tensor.proto\"\xa7\x02\n\x0fGenerateRequest\x12.\n\x06params\x18\x01 \x01(\x0b\x32\x1e.omnistage.v1.GenerationParams\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x15\n\rreturn_tensor\x18\x03 \x01(\x08\x12\x16\n\x0eprogress_every\x18\x04 \x01(\r\x12/\n\x0cimage_format\x18\x05 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x15\n\rpreview_every\x18\x06 \x01(\r\x12(\n\x06inputs\x18\x07 \x03(\x0b\x32\x18.omnistage.v1.InputMedia\x12/\n\x0c\x61udio_format\x18\x08 \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\",\n\nInputMedia\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x42\x07\n\x05mediaJ\x04\x08\x02\x10\x03\"\x1e\n\x08\x41\x63\x63\x65pted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"J\n\x0cStageStarted\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\"a\n\rStageFinished\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0f\n\x07wall_ms\x18\x02 \x01(\x02\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x0c\n\x04step\x18\x04 \x01(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x08\"<\n\rTokenProgress\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\r\x12\r\n\x05total\x18\x03 \x01(\r\"?\n\x0b\x44\x65noiseStep\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\x13\n\x0bpreview_png\x18\x03 \x01(\x0c\"(\n\x08RawChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xea\x01\n\x06Result\x12\r\n\x05image\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\'\n\x06tensor\x18\x04 \x01(\x0b\x32\x17.omnistage.v1.TensorRef\x12\x10\n\x08total_ms\x18\x05 \x01(\x02\x12/\n\x0cimage_format\x18\x06 \x01(\x0e\x32\x19.omnistage.v1.ImageFormat\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x08 \x01(\t\x12\x13\n\x0bsample_rate\x18\t \x01(\r\x12\x15\n\raudio_samples\x18\n \x01(\x04\"\'\n\tTextDelta\x12\x0c\n\x04step\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"y\n\nAudioChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\x12)\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x04\n\rGenerateEvent\x12*\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x16.omnistage.v1.AcceptedH\x00\x12\x33\n\rstage_started\x18\x02 \x01(\x0b\x32\x1a.omnistage.v1.StageStartedH\x00\x12\x35\n\x0estage_finished\x18\x03 \x01(\x0b\x32\x1b.omnistage.v1.StageFinishedH\x00\x12)\n\x04step\x18\x04 \x01(\x0b\x32\x19.omnistage.v1.DenoiseStepH\x00\x12+\n\traw_chunk\x18\x05 \x01(\x0b\x32\x16.omnistage.v1.RawChunkH\x00\x12&\n\x06result\x18\x06 \x01(\x0b\x32\x14.omnistage.v1.ResultH\x00\x12$\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x13.omnistage.v1.ErrorH\x00\x12-\n\x06tokens\x18\x08 \x01(\x0b\x32\x1b.omnistage.v1.TokenProgressH\x00\x12\'\n\x04text\x18\t \x01(\x0b\x32\x17.omnistage.v1.TextDeltaH\x00\x12)\n\x05\x61udio\x18\n \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12\x32\n\x07waiting\x18\x0b \x01(\x0b\x32\x1f.omnistage.v1.WaitingForReplicaH\x00\x42\x07\n\x05\x65vent\"S\n\x11WaitingForReplica\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\t\x12\x13\n\x0bmax_wait_ms\x18\x04 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"w\n\x0bModelOption\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x15\n\rdefault_value\x18\x03 \x01(\t\x12\x0f\n\x07minimum\x18\x04 \x01(\x01\x12\x0f\n\x07maximum\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\xe5\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x37\n\x08replicas\x18\x03 \x03(\x0b\x32%.omnistage.v1.ModelInfo.ReplicasEntry\x12\x0e\n\x06inputs\x18\x04 \x03(\t\x12\x12\n\nmax_images\x18\x05 \x01(\r\x12\x0f\n\x07outputs\x18\x06 \x03(\t\x12*\n\x07options\x18\x07 \x03(\x0b\x32\x19.omnistage.v1.ModelOption\x12\x31\n\x05roles\x18\x08 \x03(\x0b\x32\".omnistage.v1.ModelInfo.RolesEntry\x12\r\n\x05ready\x18\t \x01(\x08\x12\x37\n\x08\x64\x65\x66\x61ults\x18\n \x03(\x0b\x32%.omnistage.v1.ModelInfo.DefaultsEntry\x12\x15\n\rsize_multiple\x18\x0b \x01(\r\x1a/\n\rReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a,\n\nRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a/\n\rDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.omnistage.v1.ModelInfo\"\"\n\x0eHeartbeatReply\x12\x10\n\x08lease_ms\x18\x01 \x01(\r*?\n\x0b\x41udioFormat\x12\x16\n\x12\x41UDIO_FORMAT_PCM16\x10\x00\x12\x18\n\x14\x41UDIO_FORMAT_FLOAT32\x10\x01*:\n\x0bImageFormat\x12\x14\n\x10IMAGE_FORMAT_PNG\x10\x00\x12\x15\n\x11IMAGE_FORMAT_RGB8\x10\x01\x32\x93\x01\n\x08Registry\x12\x42\n\tHeartbeat\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply\x12\x43\n\nDeregister\x12\x17.omnistage.v1.StageInfo\x1a\x1c.omnistage.v1.HeartbeatReply2\xed\x01\n\x0b\x43oordinator\x12H\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1b.omnistage.v1.GenerateEvent0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.omnistage.v1.CancelRequest\x1a\x1c.omnistage.v1.CancelResponse\x12O\n\nListModels\x12\x1f.omnistage.v1.ListModelsRequest\x1a .omnistage.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO_ROLESENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_DEFAULTSENTRY']._loaded_options = None
   _globals['_MODELINFO_DEFAULTSENTRY']._serialized_options = b'8\001'
-  _globals['_AUDIOFORMAT']._serialized_start=2541
-  _globals['_AUDIOFORMAT']._serialized_end=2604
-  _globals['_IMAGEFORMAT']._serialized_start=2606
-  _globals['_IMAGEFORMAT']._serialized_end=2664
+  _globals['_AUDIOFORMAT']._serialized_start=2678
+  _globals['_AUDIOFORMAT']._serialized_end=2741
+  _globals['_IMAGEFORMAT']._serialized_start=2743
+  _globals['_IMAGEFORMAT']._serialized_end=2801
   _globals['_GENERATEREQUEST']._serialized_start=102
   _globals['_GENERATEREQUEST']._serialized_end=397
   _globals['_INPUTMEDIA']._serialized_start=399
@@ -68,29 +68,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERROR']._serialized_start=1222
   _globals['_ERROR']._serialized_end=1260
   _globals['_GENERATEEVENT']._serialized_start=1263
-  _globals['_GENERATEEVENT']._serialized_end=1736
-  _globals['_CANCELREQUEST']._serialized_start=1738
-  _globals['_CANCELREQUEST']._serialized_end=1773
-  _globals['_CANCELRESPONSE']._serialized_start=1775
-  _globals['_CANCELRESPONSE']._serialized_end=1810
-  _globals['_LISTMODELSREQUEST']._serialized_start=1812
-  _globals['_LISTMODELSREQUEST']._serialized_end=1831
-  _globals['_MODELOPTION']._serialized_start=1833
-  _globals['_MODELOPTION']._serialized_end=1952
-  _globals['_MODELINFO']._serialized_start=1955
-  _globals['_MODELINFO']._serialized_end=2440
-  _globals['_MODELINFO_REPLICASENTRY']._serialized_start=2298
-  _globals['_MODELINFO_REPLICASENTRY']._serialized_end=2345
-  _globals['_MODELINFO_ROLESENTRY']._serialized_start=2347
-  _globals['_MODELINFO_ROLESENTRY']._serialized_end=2391
-  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_start=2393
-  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_end=2440
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2442
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2503
-  _globals['_HEARTBEATREPLY']._serialized_start=2505
-  _globals['_HEARTBEATREPLY']._serialized_end=2539
-  _globals['_REGISTRY']._serialized_start=2667
-  _globals['_REGISTRY']._serialized_end=2814
-  _globals['_COORDINATOR']._serialized_start=2817
-  _globals['_COORDINATOR']._serialized_end=3054
+  _globals['_GENERATEEVENT']._serialized_end=1788
+  _globals['_WAITINGFORREPLICA']._serialized_start=1790
+  _globals['_WAITINGFORREPLICA']._serialized_end=1873
+  _globals['_CANCELREQUEST']._serialized_start=1875
+  _globals['_CANCELREQUEST']._serialized_end=1910
+  _globals['_CANCELRESPONSE']._serialized_start=1912
+  _globals['_CANCELRESPONSE']._serialized_end=1947
+  _globals['_LISTMODELSREQUEST']._serialized_start=1949
+  _globals['_LISTMODELSREQUEST']._serialized_end=1968
+  _globals['_MODELOPTION']._serialized_start=1970
+  _globals['_MODELOPTION']._serialized_end=2089
+  _globals['_MODELINFO']._serialized_start=2092
+  _globals['_MODELINFO']._serialized_end=2577
+  _globals['_MODELINFO_REPLICASENTRY']._serialized_start=2435
+  _globals['_MODELINFO_REPLICASENTRY']._serialized_end=2482
+  _globals['_MODELINFO_ROLESENTRY']._serialized_start=2484
+  _globals['_MODELINFO_ROLESENTRY']._serialized_end=2528
+  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_start=2530
+  _globals['_MODELINFO_DEFAULTSENTRY']._serialized_end=2577
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2579
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2640
+  _globals['_HEARTBEATREPLY']._serialized_start=2642
+  _globals['_HEARTBEATREPLY']._serialized_end=2676
+  _globals['_REGISTRY']._serialized_start=2804
+  _globals['_REGISTRY']._serialized_end=2951
+  _globals['_COORDINATOR']._serialized_start=2954
+  _globals['_COORDINATOR']._serialized_end=3191
 # @@protoc_insertion_point(module_scope)

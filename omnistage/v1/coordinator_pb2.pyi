@@ -164,7 +164,7 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error", "tokens", "text", "audio")
+    __slots__ = ("accepted", "stage_started", "stage_finished", "step", "raw_chunk", "result", "error", "tokens", "text", "audio", "waiting")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STAGE_STARTED_FIELD_NUMBER: _ClassVar[int]
     STAGE_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class GenerateEvent(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     accepted: Accepted
     stage_started: StageStarted
     stage_finished: StageFinished
@@ -185,7 +186,20 @@ class GenerateEvent(_message.Message):
     tokens: TokenProgress
     text: TextDelta
     audio: AudioChunk
-    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., tokens: _Optional[_Union[TokenProgress, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ...) -> None: ...
+    waiting: WaitingForReplica
+    def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., stage_started: _Optional[_Union[StageStarted, _Mapping]] = ..., stage_finished: _Optional[_Union[StageFinished, _Mapping]] = ..., step: _Optional[_Union[DenoiseStep, _Mapping]] = ..., raw_chunk: _Optional[_Union[RawChunk, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., tokens: _Optional[_Union[TokenProgress, _Mapping]] = ..., text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., waiting: _Optional[_Union[WaitingForReplica, _Mapping]] = ...) -> None: ...
+
+class WaitingForReplica(_message.Message):
+    __slots__ = ("stage", "role", "step", "max_wait_ms")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    role: str
+    step: str
+    max_wait_ms: int
+    def __init__(self, stage: _Optional[str] = ..., role: _Optional[str] = ..., step: _Optional[str] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)

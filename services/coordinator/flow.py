@@ -48,6 +48,7 @@ log = logging.getLogger("omnistage.coordinator")
 
 Emit = Callable[[cpb.GenerateEvent], Awaitable[None]]
 ATTEMPTS = 3  # replicas tried per step before the request fails
+REPLICA_POLL_S = 0.2  # while a request waits for a replica: how often the pool is looked at
 RECOMPUTES = 2  # times a step's lost inputs are produced again before the request fails
 TOKEN_PROGRESS_EVERY = 16  # tokens between two TokenProgress events
 
@@ -111,8 +112,10 @@ class RequestFlow:
         checkpoint_every: int = 5,
         offload: SwapPolicy | None = None,
         cache: StepCache | None = None,
+        replica_wait_s: float = 0.0,
     ) -> None:
         self.pool = pool
+        self.replica_wait_s = replica_wait_s
         self.offload = offload
         self.transport = transport
         self.stage_timeout_s = stage_timeout_s
@@ -164,11 +167,11 @@ class RequestFlow:
         tried: set[str] = set()
         model = req.params.model
         for _ in range(ATTEMPTS):
-            replica = self.pool.pick(
-                step.stage, model, role=step.role, near_host=near, avoid=frozenset(tried)
-            )
+            replica = await self._replica_for(req, step, near, frozenset(tried))
             consumer = Consumer(self.transport.host_id)
-            if then is not None:
+            # Outputs suit the next step's likely replica; with none now (one restarting) they
+            # suit this process, which any replica can fetch from.
+            if then is not None and self.pool.serving(then.stage, model, then.role):
                 assert replica.info is not None
                 info = self.pool.pick(then.stage, model, role=then.role, near_host=replica.info.host_id).info
                 if info is not None:
@@ -187,6 +190,36 @@ class RequestFlow:
                 req.leases.drop(*req.checkpoints.pop(step.name))
         raise Unavailable(
             f"request {req.request_id}: no {step.stage} replica could finish {step.name}; retry later"
+        )
+
+    async def _replica_for(self, req: _Request, step: PlanStep, near: str, tried: frozenset[str]) -> Replica:
+        """The best healthy replica for `step`, not one this request lost already. With none,
+        the request waits for one (a restarted replica registers again, a new one joins) for
+        up to `replica_wait_s` within its deadline, and says so in a WaitingForReplica event;
+        a replica lost earlier is taken again once it has re-registered (it restarted)."""
+        model = req.params.model
+        try:
+            return self.pool.pick(step.stage, model, role=step.role, near_host=near, avoid=tried)
+        except Unavailable:
+            if self.replica_wait_s <= 0:
+                raise
+        bound = time.monotonic() + self.replica_wait_s
+        until = bound if req.deadline is None else min(bound, req.deadline)
+        log.warning(
+            "request %s: no healthy %s replica for %s; waiting", req.request_id, step.stage, step.name
+        )
+        waiting = cpb.WaitingForReplica(
+            stage=step.stage, role=step.role, step=step.name, max_wait_ms=round(self.replica_wait_s * 1e3)
+        )
+        await req.emit(cpb.GenerateEvent(waiting=waiting))
+        while time.monotonic() < until:
+            await asyncio.sleep(REPLICA_POLL_S)
+            if self.pool.serving(step.stage, model, step.role):
+                return self.pool.pick(step.stage, model, role=step.role, near_host=near)
+        req.timeout(self.stage_timeout_s)  # DEADLINE_EXCEEDED when that is what ended the wait
+        raise Unavailable(
+            f"request {req.request_id}: no healthy {step.stage} replica for {step.name} "
+            f"within {self.replica_wait_s:g} s; retry later"
         )
 
     async def _call(

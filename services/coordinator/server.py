@@ -57,7 +57,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         cache = StepCache(
             transport, config.step_cache_bytes, config.step_cache_ttl_s, registry=self.metrics.registry
         )
-        self.flow = RequestFlow(pool, transport, config.stage_timeout_s, offload=offload, cache=cache)
+        self.flow = RequestFlow(
+            pool,
+            transport,
+            config.stage_timeout_s,
+            offload=offload,
+            cache=cache,
+            replica_wait_s=config.replica_wait_s,
+        )
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight
         self.in_flight: dict[str, asyncio.Task[None]] = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.client import Client
+from omni_common.client import Client, ResultBuilder
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError
 from tests.conftest import omnistage_segments
@@ -88,3 +88,30 @@ def test_restarted_coordinator_gets_every_replica_back(tiny_model: Path, tmp_pat
         cluster.wait_registered(30)
         with Client(cluster.coordinator) as client:
             assert client.generate("after the restart", width=64, height=64, steps=4).size == (64, 64)
+
+
+def test_a_request_waits_for_a_restarted_stage_instead_of_failing(tiny_model: Path, tmp_path: Path) -> None:
+    """The only VAE replica is killed; a request then waits (and says so) until a new one has
+    registered, and gets the image it got before the kill."""
+    request = {"prompt": "waits for its decoder", "seed": 3, "width": 64, "height": 64, "steps": 4}
+    with (
+        LocalCluster(loopback_plan(tiny_model), log_dir=tmp_path) as cluster,
+        Client(cluster.coordinator) as client,
+    ):
+        expected = client.generate_result(return_tensor=True, **request).tensor  # type: ignore[arg-type]
+        cluster.processes["vae-decode"].send_signal(signal.SIGKILL)
+        cluster.processes["vae-decode"].wait(10)
+        restart = threading.Timer(
+            1.0,
+            lambda: cluster.add(stage_process("vae-decode", tiny_model, cluster.coordinator, "vae-decode-2")),
+        )
+        restart.start()
+        events = list(client.events(return_tensor=True, **request))  # type: ignore[arg-type]
+        restart.join()
+    waits = [e.waiting for e in events if e.HasField("waiting")]
+    assert [(w.stage, w.step) for w in waits] == [("vae-decode", "decode")] and waits[0].max_wait_ms > 0
+    builder = ResultBuilder()
+    for event in events:
+        builder.add(event)
+    got = builder.build().tensor
+    assert got is not None and expected is not None and (got == expected).all()

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 
 def test_sigterm_mid_request_finishes_it_then_exits_clean(tiny_model: Path, tmp_path: Path) -> None:
     before = omnistage_segments()
-    plan = loopback_plan(tiny_model)
+    # A request for a stage with no replica waits this long for one, then is UNAVAILABLE.
+    plan = loopback_plan(tiny_model, extra_env={"OMNISTAGE_REPLICA_WAIT_S": "1"})
     with LocalCluster(plan, log_dir=tmp_path) as cluster:
         address = cluster.coordinator
         denoiser = cluster.processes["dit-denoise"]
