@@ -111,6 +111,12 @@ def _generate(args: argparse.Namespace) -> int:
                 elif event.HasField("tokens"):
                     tokens = event.tokens
                     _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, args.quiet)
+                elif event.HasField("waiting") and not args.quiet:
+                    waiting = event.waiting
+                    print(
+                        f"waiting up to {waiting.max_wait_ms / 1e3:g} s for a {waiting.stage} replica",
+                        file=sys.stderr,
+                    )
             for bar in bars.values():
                 bar.close()
             result = builder.build()
@@ -155,6 +161,12 @@ def _speak(args: argparse.Namespace) -> int:
                 elif event.HasField("tokens"):
                     tokens = event.tokens
                     _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, args.quiet)
+                elif event.HasField("waiting") and not args.quiet:
+                    waiting = event.waiting
+                    print(
+                        f"waiting up to {waiting.max_wait_ms / 1e3:g} s for a {waiting.stage} replica",
+                        file=sys.stderr,
+                    )
             for bar in bars.values():
                 bar.close()
             reply = builder.build()

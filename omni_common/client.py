@@ -32,6 +32,7 @@ from PIL import Image
 
 from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
+from omni_common.runtime.auth import API_KEY_HEADER
 from omni_common.runtime.rpc import aio_channel, sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
@@ -176,13 +177,21 @@ class ResultBuilder:
         )
 
 
+def _api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    key = os.environ.get("OMNISTAGE_API_KEY", "") if api_key is None else api_key
+    return ((API_KEY_HEADER, key),) if key else ()
+
+
 class Client:
     """Blocking client of the coordinator."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0) -> None:
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0, api_key: str | None = None
+    ) -> None:
+        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY)."""
         self.address = address
         self.timeout = timeout
-        self._channel = sync_channel(address)
+        self._channel = sync_channel(address, metadata=_api_key_metadata(api_key))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -290,10 +299,13 @@ class Client:
 class AsyncClient:
     """asyncio client of the coordinator; the same methods as Client, awaited."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0) -> None:
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0, api_key: str | None = None
+    ) -> None:
+        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY)."""
         self.address = address
         self.timeout = timeout
-        self._channel = aio_channel(address)
+        self._channel = aio_channel(address, metadata=_api_key_metadata(api_key))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

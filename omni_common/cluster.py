@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +158,7 @@ class LocalCluster:
         self.log_dir = log_dir
         self.start_timeout_s = start_timeout_s
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.token_file: Path | None = None  # the cluster token this launcher made, if any
 
     def __enter__(self) -> LocalCluster:
         self.start(self.start_timeout_s)
@@ -174,6 +177,7 @@ class LocalCluster:
         with the coordinator whenever it is up), wait until each is healthy, then until the
         coordinator routes to every stage replica of the plan."""
         try:
+            self._make_token()
             for proc in self.plan:
                 self._spawn(proc)
             for proc in self.plan:
@@ -228,8 +232,22 @@ class LocalCluster:
         self._spawn(proc)
         self.wait_healthy(proc, timeout_s)
 
+    def _make_token(self) -> None:
+        """Internal RPCs of a local cluster need a token too: unless the environment or the
+        plan names one, a random one in an owner-only file that every process reads
+        (omni_common.runtime.auth), removed at stop."""
+        names = ("OMNISTAGE_CLUSTER_TOKEN", "OMNISTAGE_CLUSTER_TOKEN_FILE")
+        if any(os.environ.get(n) or any(p.environment.get(n) for p in self.plan) for n in names):
+            return
+        fd, path = tempfile.mkstemp(prefix="omnistage-cluster-token-")  # mode 0600
+        with os.fdopen(fd, "w") as file:
+            file.write(secrets.token_urlsafe(32))
+        self.token_file = Path(path)
+
     def _spawn(self, proc: LocalProcess) -> None:
         env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
+        if self.token_file is not None:
+            env["OMNISTAGE_CLUSTER_TOKEN_FILE"] = str(self.token_file)
         if "OMNISTAGE_THREADS" not in env and _is_stage(proc):
             # Stage processes on one host share its cores: torch in each taking all of them
             # oversubscribes the CPU as soon as stages overlap (measured on 2 cores, 64x64,
@@ -275,6 +293,9 @@ class LocalCluster:
                 popen.kill()
                 popen.wait()
         self.processes.clear()
+        if self.token_file is not None:
+            self.token_file.unlink(missing_ok=True)
+            self.token_file = None
 
 
 def _is_stage(proc: LocalProcess) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
+from omni_common.runtime.auth import cluster_metadata
 from omni_common.runtime.rpc import aio_channel
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
@@ -23,7 +24,7 @@ HEARTBEAT_S = 1.0
 
 async def keep_registered(coordinator: str, info: Callable[[], stage_pb2.StageInfo]) -> None:
     """Heartbeat forever (cancel to stop); logs when the coordinator is lost and found."""
-    stub = coordinator_pb2_grpc.RegistryStub(aio_channel(coordinator))
+    stub = coordinator_pb2_grpc.RegistryStub(aio_channel(coordinator, metadata=cluster_metadata()))
     registered = False
     while True:
         period = HEARTBEAT_S
@@ -47,6 +48,8 @@ async def keep_registered(coordinator: str, info: Callable[[], stage_pb2.StageIn
 
 async def deregister(coordinator: str, info: stage_pb2.StageInfo) -> None:
     try:
-        await coordinator_pb2_grpc.RegistryStub(aio_channel(coordinator)).Deregister(info, timeout=2.0)
+        await coordinator_pb2_grpc.RegistryStub(
+            aio_channel(coordinator, metadata=cluster_metadata())
+        ).Deregister(info, timeout=2.0)
     except grpc.RpcError as err:
         log.warning("could not deregister from %s: %s", coordinator, err.code().name)

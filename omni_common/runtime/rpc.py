@@ -39,16 +39,77 @@ def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
     ]
 
 
-def aio_channel(address: str, keepalive_ms: int = KEEPALIVE_MS) -> grpc.aio.Channel:
-    """An asyncio channel to `address` ("host:port") with our limits."""
-    return grpc.aio.insecure_channel(address, options=channel_options(keepalive_ms))
+Metadata = tuple[tuple[str, str], ...]
 
 
-def sync_channel(address: str) -> grpc.Channel:
-    """A blocking channel to `address` with our limits."""
-    return grpc.insecure_channel(address, options=channel_options())
+class _AddsMetadata:
+    """Adds fixed metadata (a credential) to every call of an asyncio channel."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+
+    def _with(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self.metadata)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
-def aio_server(keepalive_ms: int = KEEPALIVE_MS) -> grpc.aio.Server:
+# grpc.aio files an interceptor under the first call kind it implements: one class per kind.
+class _UnaryUnary(_AddsMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._with(details), request)
+
+
+class _UnaryStream(_AddsMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._with(details), request)
+
+
+class _StreamUnary(_AddsMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, requests):
+        return await continuation(self._with(details), requests)
+
+
+class _StreamStream(_AddsMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, requests):
+        return await continuation(self._with(details), requests)
+
+
+class _SendMetadataSync(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """The blocking channels' _SendMetadata (the SDK's calls are unary or server-streaming)."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+
+    def _with(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with(details), request)
+
+
+def aio_channel(address: str, keepalive_ms: int = KEEPALIVE_MS, metadata: Metadata = ()) -> grpc.aio.Channel:
+    """An asyncio channel to `address` ("host:port") with our limits; `metadata` goes with
+    every call (omni_common.runtime.auth: the cluster token, an API key)."""
+    kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
+    interceptors = [kind(metadata) for kind in kinds] if metadata else None
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(keepalive_ms), interceptors=interceptors
+    )
+
+
+def sync_channel(address: str, metadata: Metadata = ()) -> grpc.Channel:
+    """A blocking channel to `address` with our limits, `metadata` with every call."""
+    channel = grpc.insecure_channel(address, options=channel_options())
+    return grpc.intercept_channel(channel, _SendMetadataSync(metadata)) if metadata else channel
+
+
+def aio_server(
+    keepalive_ms: int = KEEPALIVE_MS, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+) -> grpc.aio.Server:
     """An asyncio server with our limits (no thread pool: handlers are coroutines)."""
-    return grpc.aio.server(options=server_options(keepalive_ms))
+    return grpc.aio.server(options=server_options(keepalive_ms), interceptors=interceptors or None)

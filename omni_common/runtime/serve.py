@@ -21,6 +21,7 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from omni_common.runtime.auth import AuthInterceptor, api_keys, cluster_tokens, describe
 from omni_common.runtime.metrics import start_metrics_server
 from omni_common.runtime.rpc import aio_server
 
@@ -58,7 +59,8 @@ async def serve(
     the server accepts calls (tests bind port 0). With `metrics` and a `metrics_port`
     (0 = off), Prometheus can scrape http://host:metrics_port/metrics.
     """
-    server = aio_server()
+    tokens, keys = cluster_tokens(), api_keys()
+    server = aio_server(interceptors=(AuthInterceptor(tokens, keys),))
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(bind_address)
@@ -77,7 +79,7 @@ async def serve(
     await setup(server, address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s listening on %s (pid %d)", name, address, os.getpid())
+    log.info("%s listening on %s (pid %d); %s", name, address, os.getpid(), describe(tokens, keys))
     print(f"{name} ready on {address}", flush=True)
 
     stop = stop or asyncio.Event()

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from omni_common.errors import InvalidArgument, NotFound, OmniError, error_from_rpc
+from omni_common.runtime.auth import cluster_metadata
 from omni_common.runtime.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES, aio_channel
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -70,7 +71,7 @@ def _stub(address: str) -> tensor_pb2_grpc.TensorStoreStub:
     per_loop = _channels.setdefault(asyncio.get_running_loop(), {})
     channel = per_loop.get(address)
     if channel is None:
-        channel = per_loop[address] = aio_channel(address)
+        channel = per_loop[address] = aio_channel(address, metadata=cluster_metadata())
     return tensor_pb2_grpc.TensorStoreStub(channel)
 
 

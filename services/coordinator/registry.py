@@ -20,6 +20,7 @@ import grpc
 from omni_common.errors import InvalidArgument, NotFound, Unavailable
 from omni_common.models.base import ModelFamily, roles_of
 from omni_common.models.registry import find_family
+from omni_common.runtime.auth import cluster_metadata
 from omni_common.runtime.rpc import aio_channel
 from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
@@ -96,7 +97,7 @@ class ReplicaPool:
         return pool
 
     def _add(self, stage: str, address: str) -> Replica:
-        channel = aio_channel(address)
+        channel = aio_channel(address, metadata=cluster_metadata())
         replica = Replica(
             stage,
             address,
