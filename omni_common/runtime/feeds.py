@@ -87,10 +87,10 @@ class Feeds:
     def close(self, request_id: str, role: str) -> None:
         self._inboxes.pop((request_id, role), None)
 
-    async def find(self, request_id: str, role: str, wait_s: float = OPEN_WAIT_S) -> Inbox:
-        """The inbox of a running call, waiting up to `wait_s` for it to open."""
+    async def find(self, request_id: str, role: str, wait_s: float | None = None) -> Inbox:
+        """The inbox of a running call, waiting up to `wait_s` (OPEN_WAIT_S) for it to open."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + wait_s
+        until = loop.time() + (OPEN_WAIT_S if wait_s is None else wait_s)
         while (inbox := self._inboxes.get((request_id, role))) is None:
             left = until - loop.time()
             if left <= 0:

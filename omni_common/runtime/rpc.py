@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 # Bulk tensors never travel in one message: they go by handle, or chunked (CHUNK_BYTES).
 # The limit bounds what a peer can make us buffer; PNG results and raw chunks fit under it.
@@ -108,8 +112,70 @@ def sync_channel(address: str, metadata: Metadata = ()) -> grpc.Channel:
     return grpc.intercept_channel(channel, _SendMetadataSync(metadata)) if metadata else channel
 
 
+class _Malformed:
+    """What a request that is not a valid protobuf message decodes to (DecodeGuard)."""
+
+
+MALFORMED = _Malformed()
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """A request whose bytes are not a valid message of its type gets INVALID_ARGUMENT, not
+    grpc's UNKNOWN carrying a parser's class name: the deserializer marks it, the handler
+    refuses it before the servicer sees it (unary requests: every RPC of ours)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> object:
+            try:
+                return parse(data)
+            except DecodeError:
+                return MALFORMED
+
+        async def refuse(context: grpc.aio.ServicerContext) -> None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{details.method}: the request is not a valid message"
+            )
+
+        if handler.response_streaming:
+            serve_stream = handler.unary_stream
+
+            async def stream(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+                if request is MALFORMED:
+                    await refuse(context)
+                result = serve_stream(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:  # a handler that writes through the context
+                    await result
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=deserialize, response_serializer=handler.response_serializer
+            )
+        serve_unary = handler.unary_unary
+
+        async def unary(request: object, context: grpc.aio.ServicerContext) -> object:
+            if request is MALFORMED:
+                await refuse(context)
+            return await serve_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=deserialize, response_serializer=handler.response_serializer
+        )
+
+
 def aio_server(
     keepalive_ms: int = KEEPALIVE_MS, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 ) -> grpc.aio.Server:
-    """An asyncio server with our limits (no thread pool: handlers are coroutines)."""
-    return grpc.aio.server(options=server_options(keepalive_ms), interceptors=interceptors or None)
+    """An asyncio server with our limits (no thread pool: handlers are coroutines); malformed
+    requests are refused cleanly (DecodeGuard), after `interceptors` (access control)."""
+    return grpc.aio.server(options=server_options(keepalive_ms), interceptors=(*interceptors, DecodeGuard()))

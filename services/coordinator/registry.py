@@ -242,6 +242,26 @@ class ReplicaPool:
         return min(candidates, key=lambda r: r.score(near_host))
 
 
+MAX_NAME_CHARS = 256
+
+
+def heartbeat_problem(info: stage_pb2.StageInfo) -> str:
+    """Why a replica's StageInfo cannot be routed to ("" when it can): requests would follow
+    it, so it must name a stage, a family this coordinator knows, a model and a host:port."""
+    if info.stage not in ("ar-encoder", "dit-denoise", "vae-decode"):
+        return "unknown stage"
+    if find_family(info.family) is None:
+        return "unknown model family"
+    if not info.model or len(info.model) > MAX_NAME_CHARS or not info.model.isprintable():
+        return "the model name must be 1-256 printable characters"
+    host, _, port = info.address.rpartition(":")
+    if not host or len(info.address) > MAX_NAME_CHARS or not port.isdigit() or not 0 < int(port) < 65536:
+        return "the address must be host:port"
+    if any(c.isspace() or not c.isprintable() or c in "/?#@" for c in host):
+        return "the address must be host:port"
+    return ""
+
+
 class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
     """Where replicas register and heartbeat."""
 
@@ -251,10 +271,9 @@ class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
     async def Heartbeat(
         self, request: stage_pb2.StageInfo, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.HeartbeatReply:
-        if request.stage not in ("ar-encoder", "dit-denoise", "vae-decode") or not request.address:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "a heartbeat needs a known stage and an address"
-            )
+        problem = heartbeat_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"heartbeat refused: {problem}")
         self.pool.register(request)
         return coordinator_pb2.HeartbeatReply(lease_ms=int(HEARTBEAT_LEASE_S * 1000))
 

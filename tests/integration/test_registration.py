@@ -34,7 +34,9 @@ def test_heartbeats_go_on_after_a_heartbeat_failed_to_build(caplog: pytest.LogCa
             calls += 1
             if calls == 1:
                 raise RuntimeError("the load signal is not ready yet")
-            return stage_pb2.StageInfo(stage="dit-denoise", address="127.0.0.1:1", model="m")
+            return stage_pb2.StageInfo(
+                stage="dit-denoise", address="127.0.0.1:1", model="m", family="qwenimage"
+            )
 
         task = asyncio.create_task(keep_registered(address, info))
         try:
