@@ -233,16 +233,20 @@ class LocalCluster:
         self.wait_healthy(proc, timeout_s)
 
     def _make_token(self) -> None:
-        """Internal RPCs of a local cluster need a token too: unless the environment or the
-        plan names one, a random one in an owner-only file that every process reads
-        (omni_common.runtime.auth), removed at stop."""
+        """Internal RPCs of a local cluster need a token too (omni_common.runtime.auth): a
+        token file the plan names (docker-compose.yml's) is made if missing and kept; with
+        none named anywhere, a random one in an owner-only temporary file, removed at stop."""
+        named = {p.environment.get("OMNISTAGE_CLUSTER_TOKEN_FILE", "") for p in self.plan} - {""}
+        for path in map(Path, named):
+            if not path.exists():
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _write_token(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         names = ("OMNISTAGE_CLUSTER_TOKEN", "OMNISTAGE_CLUSTER_TOKEN_FILE")
-        if any(os.environ.get(n) or any(p.environment.get(n) for p in self.plan) for n in names):
+        if named or any(os.environ.get(n) or any(p.environment.get(n) for p in self.plan) for n in names):
             return
-        fd, path = tempfile.mkstemp(prefix="omnistage-cluster-token-")  # mode 0600
-        with os.fdopen(fd, "w") as file:
-            file.write(secrets.token_urlsafe(32))
-        self.token_file = Path(path)
+        fd, path_text = tempfile.mkstemp(prefix="omnistage-cluster-token-")  # mode 0600
+        _write_token(fd)
+        self.token_file = Path(path_text)
 
     def _spawn(self, proc: LocalProcess) -> None:
         env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
@@ -296,6 +300,11 @@ class LocalCluster:
         if self.token_file is not None:
             self.token_file.unlink(missing_ok=True)
             self.token_file = None
+
+
+def _write_token(fd: int) -> None:
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_urlsafe(32) + "\n")
 
 
 def _is_stage(proc: LocalProcess) -> bool:

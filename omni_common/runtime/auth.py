@@ -39,7 +39,10 @@ Metadata = tuple[tuple[str, str], ...]
 def _secrets(name: str) -> list[str]:
     """OMNISTAGE_<name> (comma-separated) or the lines of the file OMNISTAGE_<name>_FILE."""
     path = os.environ.get(f"OMNISTAGE_{name}_FILE", "")
-    text = Path(path).read_text() if path else os.environ.get(f"OMNISTAGE_{name}", "")
+    try:
+        text = Path(path).read_text() if path else os.environ.get(f"OMNISTAGE_{name}", "")
+    except OSError as err:
+        raise SystemExit(f"OMNISTAGE_{name}_FILE names a file that cannot be read ({err.strerror})") from None
     return [s.strip() for s in text.replace(",", "\n").splitlines() if s.strip()]
 
 

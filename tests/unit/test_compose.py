@@ -52,6 +52,8 @@ def test_launcher_runs_exactly_the_declared_commands_and_environment() -> None:
                 assert local == "/srv/models/" + raw.removeprefix("/models/")
             elif raw == "/cache/compile":  # the compile cache volume's source, beside the file
                 assert local == str(REPO / ".cache" / "compile")
+            elif raw.startswith("/run/omnistage-secrets/"):  # the secrets volume's source
+                assert local == str(REPO / ".secrets" / raw.removeprefix("/run/omnistage-secrets/"))
             elif raw in doc["services"] or raw == "0.0.0.0":
                 assert local == "127.0.0.1"
             elif ":" in raw and raw.split(":")[0] in doc["services"]:

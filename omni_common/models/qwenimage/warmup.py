@@ -56,14 +56,14 @@ def warm_up(
                     graphed.capture(batch, img_shape, text, dtype)
             latents = torch.zeros((batch, frames * height * width, channels), dtype=dtype, device=device)
             timestep = torch.full((batch,), 1000.0, dtype=dtype, device=device)
-            shapes = [[img_shape]] * batch
+            rows_shapes = [[img_shape]] * batch
             for length in REAL_TEXT_TOKENS:
                 embeds = torch.zeros((batch, length, text_dim), dtype=dtype, device=device)
-                forward({"latents": latents, "timestep": timestep, "embeds": embeds}, shapes)
+                forward({"latents": latents, "timestep": timestep, "embeds": embeds}, rows_shapes)
             # Prompts of different lengths batched: the last one padded under a mask.
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=device)
             mask[0, -1] = 0
-            forward({"latents": latents, "timestep": timestep, "embeds": embeds, "mask": mask}, shapes)
+            forward({"latents": latents, "timestep": timestep, "embeds": embeds, "mask": mask}, rows_shapes)
         log.info(
             "warm-up %d/%d: batch %d at %dx%d patches compiled%s (%.1f s so far)",
             i,
