@@ -43,6 +43,15 @@ from omni_common.client import Client
 from omni_common.cluster import LocalCluster, free_port, loopback_plan
 
 PROMPT = "a watercolor lighthouse at dusk"
+
+
+def prompt(number: int) -> str:
+    """Each timed request's own prompt: the encoder's prompt cache never answers for it, so
+    both sides encode every prompt (the first one is the same on both: its images compare)."""
+    return PROMPT if number == 0 else f"{PROMPT}, study {number}"
+
+
+WARM_UP = -1  # the prompt number of warm-up requests, never timed
 # Real Qwen-Image weights are tuned at about 0.05-0.2; random weights' first-block residuals
 # change more between steps, so larger thresholds show what reuse gains in speed (their PSNR
 # says nothing about a trained model's quality: docs/benchmarks.md has that on the digits model).
@@ -134,13 +143,16 @@ def run_cluster(args: argparse.Namespace, log_dir: Path, cache: Path) -> Side:
         emit({"side": "cluster", "start": "cold", "start_s": out.start_s})
         meter = StepMeter(metrics_port)
         for size in args.sizes:
-            client.generate_result(PROMPT, seed=99, **options_for(args, size))  # warm-up
+            client.generate_result(prompt(WARM_UP), seed=99, **options_for(args, size))
             meter.since_last()
             walls, splits = [], []
             for run in range(args.runs):
                 t0 = time.perf_counter()
                 result = client.generate_result(
-                    PROMPT, seed=run, return_tensor=run == 0, **options_for(args, size)
+                    prompt(run and run + 100 * size),
+                    seed=run,
+                    return_tensor=run == 0,
+                    **options_for(args, size),
                 )
                 walls.append((time.perf_counter() - t0) * 1e3)
                 splits.append(walls[-1] - sum(result.compute_ms.values()))
@@ -180,7 +192,7 @@ def run_cluster(args: argparse.Namespace, log_dir: Path, cache: Path) -> Side:
         out.warm_start_s = round(time.perf_counter() - started, 1)
         size = args.sizes[0]
         t0 = time.perf_counter()
-        client.generate_result(PROMPT, seed=0, **options_for(args, size))
+        client.generate_result(prompt(1), seed=0, **options_for(args, size))
         first_ms = round((time.perf_counter() - t0) * 1e3, 1)
         emit(
             {
@@ -200,7 +212,7 @@ def concurrent_img_per_s(args: argparse.Namespace, coordinator: str) -> float:
     def one(seed: int) -> None:
         try:
             with Client(coordinator) as own:
-                own.generate_result(PROMPT, seed=seed, **options)
+                own.generate_result(prompt(10_000 + seed), seed=seed, **options)
         except BaseException as err:  # reported below; a failed request must not look fast
             errors.append(err)
 
@@ -221,11 +233,11 @@ def step_cache_rows(
     """The same request (seed 0) with the first-block cache at each threshold."""
     for threshold in STEP_CACHE_THRESHOLDS:
         options = {**options_for(args, size), "options": {"step_cache": str(threshold)}}
-        client.generate_result(PROMPT, seed=99, **options)  # compiles the cached path's shapes
+        client.generate_result(prompt(WARM_UP), seed=99, **options)  # compiles the cached path's shapes
         walls, image = [], None
         for run in range(2):
             t0 = time.perf_counter()
-            result = client.generate_result(PROMPT, seed=0, return_tensor=run == 0, **options)
+            result = client.generate_result(prompt(0), seed=0, return_tensor=run == 0, **options)
             walls.append((time.perf_counter() - t0) * 1e3)
             image = result.tensor if run == 0 else image
         assert image is not None
@@ -250,9 +262,9 @@ def run_diffusers(args: argparse.Namespace) -> Side:
         pipe.transformer.compile_repeated_blocks(fullgraph=True)
     out = Side()
 
-    def generate(size: int, seed: int, batch: int = 1) -> torch.Tensor:
+    def generate(size: int, seed: int, batch: int = 1, number: int = 0) -> torch.Tensor:
         return pipe(
-            [PROMPT] * batch,
+            [prompt(number and number + i) for i in range(batch)],
             width=size,
             height=size,
             num_inference_steps=args.steps,
@@ -267,13 +279,13 @@ def run_diffusers(args: argparse.Namespace) -> Side:
 
     for size in args.sizes:
         t0 = time.perf_counter()
-        generate(size, 99)  # compiles this size
+        generate(size, 99, number=WARM_UP)  # compiles this size
         warm_s = round(time.perf_counter() - t0, 1)
         walls = []
         for run in range(args.runs):
             synced()
             t0 = time.perf_counter()
-            image = generate(size, run)[0]
+            image = generate(size, run, number=run and run + 100 * size)[0]
             synced()
             walls.append((time.perf_counter() - t0) * 1e3)
             if run == 0:
@@ -289,10 +301,10 @@ def run_diffusers(args: argparse.Namespace) -> Side:
             }
         )
     size, batch = args.sizes[-1], args.concurrency
-    generate(size, 99, batch)  # compiles the batch shape
+    generate(size, 99, batch, number=WARM_UP)  # compiles the batch shape
     synced()
     t0 = time.perf_counter()
-    generate(size, 0, batch)
+    generate(size, 0, batch, number=10_000)
     synced()
     out.img_per_s = round(batch / (time.perf_counter() - t0), 3)
     emit(

@@ -125,6 +125,9 @@ class StageContext:
     # Output caches of roles that keep one (e.g. prompt embeddings), in bytes; 0 = off.
     cache_bytes: int = 0
     cache_bypass: bool = False
+    # torch.compile the stage's model where its family supports it (ar-encoder: the text
+    # encoder's layers; the DiT's execution flags are `denoiser`).
+    compile: bool = False
     # Runs model work on the replica's compute thread (one forward at a time per device).
     compute: Callable[..., Awaitable[Any]] | None = None
 

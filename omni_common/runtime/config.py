@@ -20,6 +20,14 @@ def env(name: str, default: str) -> str:
     return os.environ.get(f"OMNISTAGE_{name}", default)
 
 
+# The VAE's pixels per forward by device type (--max-batch-pixels -1). CPU, the tiny
+# fixture's VAE on 2 cores: per image, a batch of 2 at 256x256 costs 722 ms, of 4 811 ms, of
+# 8 946 ms (activations leave the caches); 8 at 128x128 and 32 at 64x64 are the best. A GPU
+# has no such cliff and a decode of one 512x512 image is launch-bound (23 ms on an H100),
+# so it batches up to 8 such images (2 at 1024x1024, ~4 GiB of activations each).
+VAE_BATCH_PIXELS = {"cpu": 131072, "cuda": 8 * 512 * 512}
+
+
 @dataclass(frozen=True)
 class StageConfig:
     """Settings of one stage replica."""
@@ -41,7 +49,7 @@ class StageConfig:
     max_queue: int = 64
     batch_window_ms: float = 0.0
     max_tokens: int = 65536
-    max_batch_pixels: int = 131072
+    max_batch_pixels: int = -1  # -1: by device (VAE_BATCH_PIXELS)
     coordinator: str = ""
     # The model roles this replica serves (a subset of its family's roles on its stage); () = all.
     roles: tuple[str, ...] = ()
@@ -169,11 +177,10 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--max-batch-pixels",
         type=int,
-        default=int(env("MAX_BATCH_PIXELS", str(131072))),
-        # Measured on the tiny fixture's VAE (2-core CPU): per image, a batch of 2 at 256x256
-        # costs 722 ms, of 4 811 ms, of 8 946 ms; 8 at 128x128 and 32 at 64x64 are the best.
-        help="vae-decode: image pixels per forward (0 = no limit); larger batches stop paying "
-        "once their activations leave the caches",
+        default=int(env("MAX_BATCH_PIXELS", "-1")),
+        help="vae-decode: image pixels per forward (0 = no limit, -1 = by device: "
+        f"{VAE_BATCH_PIXELS['cpu']} on a CPU, {VAE_BATCH_PIXELS['cuda']} on a GPU); larger batches "
+        "stop paying once their activations leave the CPU's caches",
     )
     parser.add_argument(
         "--coordinator",
@@ -233,8 +240,9 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "--compile",
         default=env("COMPILE", "auto"),
         choices=("auto", "on", "off"),
-        help="dit-denoise: torch.compile the transformer's repeated blocks (auto: on a CUDA device "
-        "without layerwise offload)",
+        help="torch.compile the model's repeated blocks: dit-denoise the transformer's (auto: on "
+        "a CUDA device without layerwise offload), ar-encoder the text encoder's (auto: on a CUDA "
+        "device)",
     )
     parser.add_argument(
         "--compile-cache",

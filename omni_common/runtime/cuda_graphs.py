@@ -161,9 +161,11 @@ class CudaGraphCache:
                 self._eager.add(key)
                 log.warning("cannot capture a CUDA graph for %s; running it eagerly: %s", key, err)
                 return None
-            replay_s = min(self._timed(graph.replay) for _ in range(1 if known else 2))
-        speedup = known if known is not None else eager_s / replay_s
-        if self.decisions is not None and known is None:
+            if known is not None:  # paid on an earlier start: nothing to time again
+                return self._keep(key, _Captured(graph, static, output, known))
+            replay_s = min(self._timed(graph.replay) for _ in range(2))
+        speedup = eager_s / replay_s
+        if self.decisions is not None:
             self.decisions.put(key, speedup)
         if not _pays(speedup):
             self._eager.add(key)
@@ -174,16 +176,15 @@ class CudaGraphCache:
                 eager_s * 1e3,
             )
             return None
-        captured = _Captured(graph, static, output, speedup)
+        log.info("CUDA graph for %s: %.1f ms a replay, %.1f ms eager", key, replay_s * 1e3, eager_s * 1e3)
+        return self._keep(key, _Captured(graph, static, output, speedup))
+
+    def _keep(self, key: Hashable, captured: _Captured) -> _Captured:
         self._graphs[key] = captured
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         log.info(
-            "captured a CUDA graph for %s: %.1f ms a replay, %.1f ms eager (%d graphs)",
-            key,
-            replay_s * 1e3,
-            eager_s * 1e3,
-            len(self._graphs),
+            "captured a CUDA graph for %s, %.3fx eager (%d graphs)", key, captured.speedup, len(self._graphs)
         )
         return captured
 

@@ -17,6 +17,7 @@ from omni_common.errors import InvalidArgument
 from omni_common.imaging import to_png, to_rgb8
 from omni_common.models.base import StageState
 from omni_common.runtime.calls import Progress, StageCall
+from omni_common.runtime.config import VAE_BATCH_PIXELS
 from omni_common.runtime.roles import RoleLimits
 from omni_common.runtime.worker import Worker
 
@@ -26,7 +27,10 @@ DEFAULT_IMAGE_OUTPUTS = frozenset({"png"})
 
 class DecodeWorker(Worker):
     def role_limits(self) -> RoleLimits:
-        return replace(super().role_limits(), max_batch_cost=self.config.max_batch_pixels)
+        pixels = self.config.max_batch_pixels
+        if pixels < 0:
+            pixels = VAE_BATCH_PIXELS["cuda" if self.device.type == "cuda" else "cpu"]
+        return replace(super().role_limits(), max_batch_cost=pixels)
 
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         async for item in super().run(call):

@@ -201,6 +201,8 @@ def load_prompt_stage(model_dir: Path, context: StageContext) -> PromptStage:
     else:
         assert context.compute is not None, "the torch backend runs on the stage's compute thread"
         encoder = QwenImageEncoder.load(model_dir, context.device, context.dtype)
+        if context.compile:
+            encoder.compile()
         text_encoder = encoder.text_encoder
         backend = TorchBackend(
             encoder,

@@ -5,9 +5,11 @@ For each size the stage is told it will serve (--capture-sizes) and each batch b
 - the graph buckets (prompt padded to 32 and 64 tokens under a mask), captured where a
   replay pays (graphs.GraphedTransformer);
 - the forward on real shapes, which a bucket without a graph runs: unmasked at two prompt
-  lengths and masked once (prompts of different lengths batched), so the compiled blocks
-  take the prompt length and batch as dynamic from the start and no request waits for a
-  recompilation.
+  lengths and masked once (prompts of different lengths batched), at one and two requests
+  of each size, so the compiled blocks take the prompt length, the batch and the image size
+  as dynamic from the start and no request waits for a recompilation. Larger batches reuse
+  the dynamic code (PyTorch specialises sizes 0 and 1 only): running them too would spend
+  device time and compile nothing.
 With a warm compile cache (--compile-cache) each of these loads instead of compiling.
 """
 
@@ -29,6 +31,8 @@ log = logging.getLogger("omnistage.warmup")
 CAPTURE_TEXT_TOKENS = 64
 # Two real prompt lengths: the second makes the compiler generalise the first.
 REAL_TEXT_TOKENS = (17, 23)
+# Real shapes run at these batch sizes: 1 is compiled on its own, 2 makes the batch dynamic.
+REAL_SHAPE_BATCHES = (1, 2)
 
 Forward = Callable[[Inputs, ImgShapes], torch.Tensor]
 
@@ -49,21 +53,13 @@ def warm_up(
     shapes = [(img_shape, batch) for img_shape in img_shapes for batch in rows]
     started = time.perf_counter()
     for i, (img_shape, batch) in enumerate(shapes, 1):
-        frames, height, width = img_shape
+        _, height, width = img_shape
         with torch.inference_mode():
             if graphed is not None:
                 for text in (t for t in TEXT_BUCKETS if t <= CAPTURE_TEXT_TOKENS):
                     graphed.capture(batch, img_shape, text, dtype)
-            latents = torch.zeros((batch, frames * height * width, channels), dtype=dtype, device=device)
-            timestep = torch.full((batch,), 1000.0, dtype=dtype, device=device)
-            rows_shapes = [[img_shape]] * batch
-            for length in REAL_TEXT_TOKENS:
-                embeds = torch.zeros((batch, length, text_dim), dtype=dtype, device=device)
-                forward({"latents": latents, "timestep": timestep, "embeds": embeds}, rows_shapes)
-            # Prompts of different lengths batched: the last one padded under a mask.
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=device)
-            mask[0, -1] = 0
-            forward({"latents": latents, "timestep": timestep, "embeds": embeds, "mask": mask}, rows_shapes)
+            if batch in REAL_SHAPE_BATCHES:
+                real_shapes(forward, batch, img_shape, channels, text_dim, dtype, device)
         log.info(
             "warm-up %d/%d: batch %d at %dx%d patches compiled%s (%.1f s so far)",
             i,
@@ -74,3 +70,26 @@ def warm_up(
             " and captured" if graphed is not None else "",
             time.perf_counter() - started,
         )
+
+
+def real_shapes(
+    forward: Forward,
+    batch: int,
+    img_shape: tuple[int, int, int],
+    channels: int,
+    text_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """The forward on real shapes of `batch` requests: unmasked at each of REAL_TEXT_TOKENS,
+    then masked (prompts of different lengths batched: the last one padded)."""
+    frames, height, width = img_shape
+    latents = torch.zeros((batch, frames * height * width, channels), dtype=dtype, device=device)
+    timestep = torch.full((batch,), 1000.0, dtype=dtype, device=device)
+    rows_shapes = [[img_shape]] * batch
+    for length in REAL_TEXT_TOKENS:
+        embeds = torch.zeros((batch, length, text_dim), dtype=dtype, device=device)
+        forward({"latents": latents, "timestep": timestep, "embeds": embeds}, rows_shapes)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=device)
+    mask[0, -1] = 0
+    forward({"latents": latents, "timestep": timestep, "embeds": embeds, "mask": mask}, rows_shapes)
