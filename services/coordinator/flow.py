@@ -10,7 +10,10 @@ fails or is cancelled.
 
 Replicas may die. A call is retried on another replica. A resumable step (denoising) sends a
 checkpoint every few steps and resumes on another replica from the latest one (or from the
-start if that checkpoint is gone); the result equals the uninterrupted one. When a step's
+start if that checkpoint is gone); the result equals the uninterrupted one. A checkpoint is
+the one tensor this process copies: it must outlive its replica, and a deleted pod takes its
+/dev/shm along, so its bytes move into this process's own store (about 1 MiB at 1024x1024,
+every few steps) and the replica's lease ends at once. When a step's
 inputs are gone (their producer died, or a cached output expired), the steps that produced
 them run again: seeded steps give the same tensors, so the image is the same.
 
@@ -253,6 +256,8 @@ class RequestFlow:
                 request.checkpoint_every = self.checkpoint_every
             if step.name in req.checkpoints:
                 request.resume.CopyFrom(req.checkpoints[step.name][1])
+                resumes = "request %s: %s resumes on %s from its checkpoint"
+                log.info(resumes, req.request_id, step.name, replica.address)
         own_leases = self._export_media(req, step, request, replica)
         timeout = req.timeout(self.stage_timeout_s)
         started_event = cpb.StageStarted(
@@ -325,10 +330,7 @@ class RequestFlow:
         if progress.HasField("partial"):
             await self._on_partial(req, step, replica, progress.partial)
         if progress.HasField("checkpoint"):
-            req.leases.add(replica.address, progress.checkpoint)
-            if step.name in req.checkpoints:
-                req.leases.drop(*req.checkpoints[step.name])
-            req.checkpoints[step.name] = (replica.address, progress.checkpoint)
+            await self._keep_checkpoint(req, step, replica, progress.checkpoint)
         if step.progress == "tokens":
             event = cpb.TokenProgress(step=step.name, tokens=progress.step, total=progress.total)
             await req.emit(cpb.GenerateEvent(tokens=event))
@@ -339,6 +341,29 @@ class RequestFlow:
                 step=progress.step, total=progress.total, preview_png=progress.preview_png
             )
             await req.emit(cpb.GenerateEvent(step=denoise))
+
+    async def _keep_checkpoint(
+        self, req: _Request, step: PlanStep, replica: Replica, checkpoint: tensor_pb2.StageState
+    ) -> None:
+        """Make `checkpoint` the step's latest, held in this process's store (inline ones are
+        here already), so that a request resumes after its replica's host memory is gone too.
+        A checkpoint that cannot be read any more (its replica died meanwhile) is skipped:
+        the previous one still holds."""
+        holder = replica.address
+        req.leases.add(holder, checkpoint)
+        if self.transport.lease_ids(checkpoint):
+            try:
+                tensors, meta = await self.transport.import_state(checkpoint)
+            except OmniError as err:
+                log.warning("request %s: checkpoint not kept: %s", req.request_id, err.message)
+                return
+            finally:
+                req.leases.drop(holder, checkpoint)
+            holder, checkpoint = self.transport.address, self.transport.export_state(tensors, meta)
+            req.leases.add(holder, checkpoint)
+        if step.name in req.checkpoints:
+            req.leases.drop(*req.checkpoints[step.name])
+        req.checkpoints[step.name] = (holder, checkpoint)
 
     async def _on_partial(
         self, req: _Request, step: PlanStep, replica: Replica, partial: tensor_pb2.StageState

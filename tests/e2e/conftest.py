@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +61,14 @@ IMAGE_TOL = 1e-4  # batches differ between an uninterrupted and a resumed run: f
 
 
 def kill_mid_denoise(
-    cluster: LocalCluster, requests: dict[int, dict[str, object]], victim: str = "dit-denoise"
+    cluster: LocalCluster,
+    requests: dict[int, dict[str, object]],
+    victim: str = "dit-denoise",
+    after_kill: Callable[[], None] = lambda: None,
 ) -> str:
     """Run `requests` once uninterrupted, then again, killing `victim` with SIGKILL once every
-    request is denoising; assert each resumed image equals its uninterrupted one. Returns the
-    coordinator's log, to say where requests went."""
+    request is denoising (then `after_kill()`); assert each resumed image equals its
+    uninterrupted one. Returns the coordinator's log, to say where requests went."""
     expected: dict[int, object] = {}
     for thread in generate_all(cluster.coordinator, requests, expected):
         thread.join(120)
@@ -76,6 +79,7 @@ def kill_mid_denoise(
         assert denoising.acquire(timeout=120)
     assert not results, "the requests finished before the kill: make them longer"
     cluster.processes[victim].send_signal(signal.SIGKILL)
+    after_kill()
     for thread in threads:
         thread.join(120)
     for key in requests:

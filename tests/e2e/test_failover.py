@@ -3,9 +3,11 @@ replicas added and drained under load, and a coordinator restart lose no request
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,28 @@ def test_killed_dit_replica_requests_resume_elsewhere_with_equal_images(
         log = kill_mid_denoise(cluster, requests(seeds))
     assert "dit-denoise replica" in log and "moving on" in log, "no request failed over"
     assert omnistage_segments() == before
+
+
+def test_a_dit_request_resumes_after_its_pod_and_its_shared_memory_are_gone(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Each DiT replica stands for a pod of its own (its host id, its /dev/shm); the killed
+    one's shared memory is removed with it. Its requests resume from their checkpoints, which
+    the coordinator holds in its own store, not from step 0."""
+    pods = {"dit-denoise": tmp_path / "pod-a", "dit-denoise-2": tmp_path / "pod-b"}
+    plan = loopback_plan(tiny_model, replicas={"dit-denoise": 2})
+    for i, proc in enumerate(plan):
+        if proc.name in pods:
+            pods[proc.name].mkdir()
+            # Inline checkpoints (the tiny model's are 4 KiB) would travel in the message.
+            pod = {"OMNISTAGE_HOST_ID": proc.name, "OMNISTAGE_SHM_DIR": str(pods[proc.name])}
+            pod["OMNISTAGE_INLINE_BYTES"] = "0"
+            plan[i] = replace(proc, environment={**proc.environment, **pod})
+    with LocalCluster(plan, log_dir=tmp_path / "logs") as cluster:
+        deleted = lambda: shutil.rmtree(pods["dit-denoise"])  # noqa: E731
+        log = kill_mid_denoise(cluster, requests(list(range(6))), after_kill=deleted)
+    assert "moving on" in log, "no request failed over"
+    assert "from its checkpoint" in log and "checkpoint gone" not in log
 
 
 def test_scaling_dit_up_and_down_under_a_steady_stream_fails_nothing(
