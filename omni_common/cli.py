@@ -82,11 +82,11 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
 
-    from omni_common.client import Client, ResultBuilder
+    from omni_common.client import ResultBuilder
     from omni_common.errors import OmniError
 
     options = dict(_parse_option(item) for item in args.option)
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args, args.timeout) as client:
         try:
             if args.wait_ready:
                 client.wait_ready(args.wait_ready, model=args.model)
@@ -140,14 +140,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _speak(args: argparse.Namespace) -> int:
     """One chat turn of a speaking model: the reply's text, and its audio as a WAV file."""
     from omni_common.chat import ReplyBuilder, SpeechChunk, chat_request
-    from omni_common.client import Client
     from omni_common.errors import OmniError
 
     options = dict(_parse_option(item) for item in args.option)
     request = chat_request(
         args.prompt, speaker=args.speaker, model=args.model, seed=args.seed, options=options
     )
-    with Client(args.address, timeout=args.timeout) as client:
+    with _client(args, args.timeout) as client:
         try:
             if args.wait_ready:
                 client.wait_ready(args.wait_ready, model=args.model)
@@ -233,10 +232,9 @@ def _fixture(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from omni_common.client import Client
     from omni_common.errors import OmniError
 
-    with Client(args.address, timeout=10) as client:
+    with _client(args, 10) as client:
         try:
             models = client.list_models()
         except OmniError as err:
@@ -263,6 +261,31 @@ def _protos(args: argparse.Namespace) -> int:
 
     for path in generate():
         print(path)
+    return 0
+
+
+def _add_client_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument(
+        "--ca-cert",
+        default="",
+        help="CA bundle (PEM) to verify the coordinator's TLS certificate (default: OMNISTAGE_TLS_CA; "
+        "neither: plaintext)",
+    )
+
+
+def _client(args: argparse.Namespace, timeout: float | None) -> Any:
+    from omni_common.client import Client
+
+    return Client(args.address, timeout=timeout, ca_cert=args.ca_cert or None)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from omni_common.certs import SERVICES, make_certs
+
+    made = make_certs(Path(args.dir), SERVICES, hosts=args.host, force=args.force)
+    kept = [s for s in SERVICES if s not in made]
+    print(f"certificates in {args.dir}: made {', '.join(made) or 'none'}; kept {', '.join(kept) or 'none'}")
     return 0
 
 
@@ -297,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one image through a coordinator")
     gen.add_argument("prompt")
     gen.add_argument("-o", "--output", default="out.png")
-    gen.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    _add_client_args(gen)
     gen.add_argument("--negative-prompt", default="")
     gen.add_argument("--width", type=int, default=256)
     gen.add_argument("--height", type=int, default=256)
@@ -327,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     speak = sub.add_parser("speak", help="chat with a speaking model (Qwen2.5-Omni): text out, WAV file")
     speak.add_argument("prompt")
     speak.add_argument("-o", "--output", default="reply.wav")
-    speak.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    _add_client_args(speak)
     speak.add_argument("--speaker", default=None, help="the voice (default: the model's first, Chelsie)")
     speak.add_argument(
         "--option", action="append", default=[], metavar="NAME=VALUE", help="a model family option"
@@ -345,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(func=_health)
 
     models = sub.add_parser("models", help="list the models a coordinator serves, with their options")
-    models.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    _add_client_args(models)
     models.set_defaults(func=_models)
 
     fixture = sub.add_parser("fixture", help="build a random tiny model offline (any family)")
@@ -360,6 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fixture.add_argument("--seed", type=int, default=0)
     fixture.set_defaults(func=_fixture)
+
+    certs = sub.add_parser("certs", help="make a local CA and a TLS certificate per service in DIR")
+    certs.add_argument("dir")
+    certs.add_argument(
+        "--host", action="append", default=[], help="another name or IP for every certificate (repeatable)"
+    )
+    certs.add_argument("--force", action="store_true", help="make everything anew (rotation), CA included")
+    certs.set_defaults(func=_certs)
 
     protos = sub.add_parser("protos", help="regenerate omnistage/v1 from protos/")
     protos.set_defaults(func=_protos)

@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -34,6 +35,7 @@ from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
 from omni_common.runtime.auth import API_KEY_HEADER
 from omni_common.runtime.rpc import aio_channel, sync_channel
+from omni_common.runtime.tls import client_settings
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
@@ -186,12 +188,21 @@ class Client:
     """Blocking client of the coordinator."""
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0, api_key: str | None = None
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout: float | None = 600.0,
+        api_key: str | None = None,
+        ca_cert: str | Path | None = None,
+        server_name: str = "",
     ) -> None:
-        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY)."""
+        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY).
+        `ca_cert`: a CA bundle (PEM file) to verify the coordinator's TLS certificate against
+        (default: OMNISTAGE_TLS_CA; neither: plaintext); `server_name`: the name to check in
+        it instead of the address's host (default: OMNISTAGE_TLS_SERVER_NAME)."""
         self.address = address
         self.timeout = timeout
-        self._channel = sync_channel(address, metadata=_api_key_metadata(api_key))
+        tls = client_settings(ca_cert, server_name)
+        self._channel = sync_channel(address, metadata=_api_key_metadata(api_key), tls=tls)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -300,12 +311,21 @@ class AsyncClient:
     """asyncio client of the coordinator; the same methods as Client, awaited."""
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, timeout: float | None = 600.0, api_key: str | None = None
+        self,
+        address: str = DEFAULT_ADDRESS,
+        timeout: float | None = 600.0,
+        api_key: str | None = None,
+        ca_cert: str | Path | None = None,
+        server_name: str = "",
     ) -> None:
-        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY)."""
+        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY).
+        `ca_cert`: a CA bundle (PEM file) to verify the coordinator's TLS certificate against
+        (default: OMNISTAGE_TLS_CA; neither: plaintext); `server_name`: the name to check in
+        it instead of the address's host (default: OMNISTAGE_TLS_SERVER_NAME)."""
         self.address = address
         self.timeout = timeout
-        self._channel = aio_channel(address, metadata=_api_key_metadata(api_key))
+        tls = client_settings(ca_cert, server_name)
+        self._channel = aio_channel(address, metadata=_api_key_metadata(api_key), tls=tls)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

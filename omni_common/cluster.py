@@ -22,9 +22,11 @@ from pathlib import Path
 import yaml
 
 from omni_common.errors import Unavailable
+from omni_common.runtime.tls import TlsSettings
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 LOOPBACK = "127.0.0.1"
+TLS_FILES = ("OMNISTAGE_TLS_CA", "OMNISTAGE_TLS_CERT", "OMNISTAGE_TLS_KEY")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class LocalCluster:
         coordinator routes to every stage replica of the plan."""
         try:
             self._make_token()
+            self._make_certs()
             for proc in self.plan:
                 self._spawn(proc)
             for proc in self.plan:
@@ -198,7 +201,9 @@ class LocalCluster:
         if not expected or not any(p.name == "coordinator" for p in self.plan):
             return
         deadline = time.monotonic() + timeout_s
-        with Client(self.coordinator) as client:
+        env = next(p for p in self.plan if p.name == "coordinator").environment
+        ca, name = env.get("OMNISTAGE_TLS_CA") or None, env.get("OMNISTAGE_TLS_SERVER_NAME", "")
+        with Client(self.coordinator, ca_cert=ca, server_name=name) as client:
             while True:
                 try:
                     models = client.list_models()
@@ -248,6 +253,22 @@ class LocalCluster:
         _write_token(fd)
         self.token_file = Path(path_text)
 
+    @staticmethod
+    def client_tls(proc: LocalProcess) -> TlsSettings:
+        """How a client of `proc` verifies it: as `proc`'s own peers do (its environment)."""
+        ca = proc.environment.get("OMNISTAGE_TLS_CA") or os.environ.get("OMNISTAGE_TLS_CA", "")
+        name = proc.environment.get("OMNISTAGE_TLS_SERVER_NAME", "")
+        return TlsSettings(ca=Path(ca).read_bytes() if ca else None, server_name=name)
+
+    def _make_certs(self) -> None:
+        """TLS files the plan names (docker-compose.yml's) are made if missing, as
+        `omnistage certs` would: a local CA and one certificate per service, kept."""
+        from omni_common.certs import SERVICES, make_certs
+
+        for path in {Path(p.environment[n]) for p in self.plan for n in TLS_FILES if p.environment.get(n)}:
+            if not path.exists():
+                make_certs(path.parent, SERVICES)
+
     def _spawn(self, proc: LocalProcess) -> None:
         env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
         if self.token_file is not None:
@@ -275,7 +296,7 @@ class LocalCluster:
 
         deadline = time.monotonic() + timeout_s
         popen = self.processes[proc.name]
-        while not check_health(proc.health_address, timeout_s=1.0):
+        while not check_health(proc.health_address, timeout_s=1.0, tls=self.client_tls(proc)):
             if popen.poll() is not None:
                 raise Unavailable(
                     f"{proc.name} exited with status {popen.returncode} while starting{self._log_tails()}"

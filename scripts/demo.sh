@@ -8,9 +8,11 @@ export HF_HUB_OFFLINE=1
 PROMPT=${1:-"a handwritten digit seven"}
 OUT=${OUT:-out/demo.png}
 
+# Every hop is TLS: a local CA and one certificate per service (kept; cluster up would make them too).
+.venv/bin/omnistage certs "${OMNISTAGE_SECRETS:-.secrets}/tls" >/dev/null
 .venv/bin/omnistage cluster up --logs out/logs &
 CLUSTER=$!
 trap 'kill -INT $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
 # The default model (models/qwen-image-digits) draws 32x32 digits; ask for others by name.
 .venv/bin/omnistage generate "$PROMPT" -o "$OUT" --width 32 --height 32 --steps 20 \
-  --guidance 1 --seed "${SEED:-0}" --wait-ready 300
+  --guidance 1 --seed "${SEED:-0}" --wait-ready 300 --ca-cert "${OMNISTAGE_SECRETS:-.secrets}/tls/ca.pem"

@@ -9,6 +9,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from omni_common.runtime.tls import TlsSettings, channel_credentials, channel_name_options, client_settings
+
 # Bulk tensors never travel in one message: they go by handle, or chunked (CHUNK_BYTES).
 # The limit bounds what a peer can make us buffer; PNG results and raw chunks fit under it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -96,19 +98,32 @@ class _SendMetadataSync(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
         return continuation(self._with(details), request)
 
 
-def aio_channel(address: str, keepalive_ms: int = KEEPALIVE_MS, metadata: Metadata = ()) -> grpc.aio.Channel:
+def aio_channel(
+    address: str, keepalive_ms: int = KEEPALIVE_MS, metadata: Metadata = (), tls: TlsSettings | None = None
+) -> grpc.aio.Channel:
     """An asyncio channel to `address` ("host:port") with our limits; `metadata` goes with
-    every call (omni_common.runtime.auth: the cluster token, an API key)."""
+    every call (omni_common.runtime.auth: the cluster token, an API key). It verifies TLS
+    against `tls` (default: this process's OMNISTAGE_TLS_CA), plaintext without a CA."""
+    tls = tls or client_settings()
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     interceptors = [kind(metadata) for kind in kinds] if metadata else None
-    return grpc.aio.insecure_channel(
-        address, options=channel_options(keepalive_ms), interceptors=interceptors
-    )
+    options = [*channel_options(keepalive_ms), *channel_name_options(tls)]
+    credentials = channel_credentials(tls)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
-def sync_channel(address: str, metadata: Metadata = ()) -> grpc.Channel:
-    """A blocking channel to `address` with our limits, `metadata` with every call."""
-    channel = grpc.insecure_channel(address, options=channel_options())
+def sync_channel(address: str, metadata: Metadata = (), tls: TlsSettings | None = None) -> grpc.Channel:
+    """A blocking channel to `address` with our limits, `metadata` with every call, TLS as
+    in aio_channel."""
+    tls = tls or client_settings()
+    options = [*channel_options(), *channel_name_options(tls)]
+    credentials = channel_credentials(tls)
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        channel = grpc.secure_channel(address, credentials, options=options)
     return grpc.intercept_channel(channel, _SendMetadataSync(metadata)) if metadata else channel
 
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from omni_common.runtime.auth import AuthInterceptor, api_keys, cluster_tokens, describe
 from omni_common.runtime.metrics import start_metrics_server
 from omni_common.runtime.rpc import aio_server
+from omni_common.runtime.tls import bind, tls_settings
 
 log = logging.getLogger("omnistage.serve")
 
@@ -63,7 +64,7 @@ async def serve(
     server = aio_server(interceptors=(AuthInterceptor(tokens, keys),))
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(bind_address)
+    port, transport_security = bind(server, bind_address, name, tls_settings())
     if port == 0:
         raise SystemExit(f"{name}: cannot bind {bind_address}")
     host = bind_address.rsplit(":", 1)[0]
@@ -79,7 +80,8 @@ async def serve(
     await setup(server, address)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s listening on %s (pid %d); %s", name, address, os.getpid(), describe(tokens, keys))
+    access = describe(tokens, keys)
+    log.info("%s listening on %s (pid %d); %s; %s", name, address, os.getpid(), transport_security, access)
     print(f"{name} ready on {address}", flush=True)
 
     stop = stop or asyncio.Event()

@@ -40,7 +40,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_cluster_up_serves_the_default_model_scaled_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
+def test_cluster_up_serves_the_default_model_scaled_over_tls_and_ctrl_c_leaves_nothing(
+    tmp_path: Path,
+) -> None:
     before = omnistage_segments()
     cli = [sys.executable, "-m", "omni_common.cli"]
     compose = str(REPO / "docker-compose.yml")
@@ -68,6 +70,8 @@ def test_cluster_up_serves_the_default_model_scaled_and_ctrl_c_leaves_nothing(tm
             if "cluster ready" in line or launcher.poll() is not None:
                 break
         assert "cluster ready" in lines[-1], "".join(lines)
+        ca = REPO / ".secrets" / "tls" / "ca.pem"  # made by cluster up: every hop is TLS
+        assert "TLS" in (tmp_path / "logs" / "coordinator.log").read_text()
         services = children_of(launcher.pid)
         assert len(services) == 5  # coordinator, encoder, two DiT replicas, VAE
 
@@ -84,6 +88,8 @@ def test_cluster_up_serves_the_default_model_scaled_and_ctrl_c_leaves_nothing(tm
             "--guidance",
             "1",
             "--quiet",
+            "--ca-cert",
+            str(ca),
         ]
         done = subprocess.run(
             [*cli, "generate", "a handwritten digit seven", *args],
@@ -93,7 +99,7 @@ def test_cluster_up_serves_the_default_model_scaled_and_ctrl_c_leaves_nothing(tm
         )
         assert done.returncode == 0, done.stderr
         assert f"saved {out}" in done.stdout and out.read_bytes().startswith(b"\x89PNG")
-        with Client("127.0.0.1:50051") as client:
+        with Client("127.0.0.1:50051", ca_cert=ca) as client:
             (model,) = client.list_models()
             assert model.name == "qwen-image-digits"
             assert dict(model.replicas) == {"ar-encoder": 1, "dit-denoise": 2, "vae-decode": 1}

@@ -92,13 +92,15 @@ def test_deployment_runs_the_compose_service(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SERVICES)
-def test_probes_ask_grpc_health_on_the_port_compose_checks(name: str) -> None:
-    compose_port = int(COMPOSE_DOC["services"][name]["healthcheck"]["test"][-1].rsplit(":", 1)[1])
+def test_probes_run_compose_healthcheck_on_its_port(name: str) -> None:
+    # Kubernetes' own gRPC probe speaks plaintext only; every port serves TLS.
+    check = COMPOSE_DOC["services"][name]["healthcheck"]["test"]
+    compose_port = int(check[-1].rsplit(":", 1)[1])
     assert grpc_port(name) == compose_port
     running = container(name)
     assert {"name": "grpc", "containerPort": compose_port} in running["ports"]
     for probe in ("readinessProbe", "livenessProbe", *(["startupProbe"] if name in STAGES else [])):
-        assert running[probe]["grpc"] == {"port": compose_port}, f"{name}: {probe}"
+        assert running[probe]["exec"] == {"command": check[1:]}, f"{name}: {probe}"
     service_ports = {p["name"]: p for p in find("Service", name)["spec"]["ports"]}
     assert service_ports["grpc"]["port"] == compose_port
 
@@ -163,6 +165,22 @@ def test_stages_mount_the_models_where_compose_does(stage: str) -> None:
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     claim = volume["persistentVolumeClaim"]["claimName"]
     assert find("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_each_pod_gets_the_token_and_only_its_own_tls_key(name: str) -> None:
+    env = env_of(name)
+    spec = find("Deployment", name)["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "secrets"]
+    (mount,) = [m for m in container(name)["volumeMounts"] if m["name"] == "secrets"]
+    paths = {
+        f"{mount['mountPath']}/{item['path']}"
+        for source in volume["projected"]["sources"]
+        for item in source["secret"]["items"]
+    }
+    wanted = ("OMNISTAGE_CLUSTER_TOKEN_FILE", "OMNISTAGE_TLS_CERT", "OMNISTAGE_TLS_KEY", "OMNISTAGE_TLS_CA")
+    assert paths == {env[key]["value"] for key in wanted}
+    assert env["OMNISTAGE_TLS_KEY"]["value"].endswith(f"/{name}-key.pem") and mount["readOnly"]
 
 
 def test_the_dit_keeps_its_compile_cache_on_a_shared_volume_as_in_compose() -> None:

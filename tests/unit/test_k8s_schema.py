@@ -105,9 +105,9 @@ def _replicas_as_words(doc: Manifest) -> None:
     doc["spec"]["replicas"] = "two"
 
 
-def _named_grpc_probe_port(doc: Manifest) -> None:
-    # A grpc probe takes a port number only (unlike httpGet, which also takes a name).
-    doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+def _probe_command_as_one_string(doc: Manifest) -> None:
+    # An exec probe takes argv, a list: a shell-style string is no command.
+    doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"] = "omnistage health"
 
 
 def _unknown_probe_field(doc: Manifest) -> None:
@@ -119,7 +119,7 @@ def _unknown_probe_field(doc: Manifest) -> None:
     [
         (_misspell_containers, "spec.template.spec"),
         (_replicas_as_words, "spec.replicas"),
-        (_named_grpc_probe_port, "spec.template.spec.containers.0.readinessProbe.grpc.port"),
+        (_probe_command_as_one_string, "spec.template.spec.containers.0.readinessProbe.exec.command"),
         (_unknown_probe_field, "spec.template.spec.containers.0.livenessProbe"),
     ],
 )

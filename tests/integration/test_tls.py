@@ -1,0 +1,120 @@
+"""TLS on every hop of a real in-process cluster, with certificates from `omnistage certs`:
+the image is the plaintext cluster's bit for bit, and a client that does not verify the
+cluster's CA (plaintext, another CA, another name) gets nothing."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import numpy as np
+import pytest
+from cryptography import x509
+
+from omni_common.certs import SERVICES
+from omni_common.cli import main as cli
+from omni_common.client import Client
+from omni_common.errors import OmniError
+from omni_common.health import check_health
+from omni_common.runtime.tls import CLUSTER_NAME, TlsSettings, bind
+
+from .conftest import InProcessCluster
+
+REQUEST = {"prompt": "over tls", "seed": 5, "width": 64, "height": 64, "steps": 3, "return_tensor": True}
+
+
+def generate(address: str, **tls: object) -> np.ndarray:
+    with Client(address, **tls) as client:  # type: ignore[arg-type]
+        tensor = client.generate_result(**REQUEST).tensor  # type: ignore[arg-type]
+    assert tensor is not None
+    return tensor
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tls") / "certs"
+    assert cli(["certs", str(directory)]) == 0
+    return directory
+
+
+@pytest.fixture(scope="module")
+def clusters(tiny_model: Path, certs: Path) -> Iterator[tuple[InProcessCluster, np.ndarray]]:
+    """A TLS cluster, and the image a plaintext cluster made before it."""
+    plain = InProcessCluster(tiny_model)
+    plain.start()
+    try:
+        expected = generate(plain.coordinator)
+    finally:
+        plain.stop()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMNISTAGE_TLS_CERT", str(certs / "coordinator.pem"))
+        env.setenv("OMNISTAGE_TLS_KEY", str(certs / "coordinator-key.pem"))
+        env.setenv("OMNISTAGE_TLS_CA", str(certs / "ca.pem"))
+        secured = InProcessCluster(tiny_model)
+        secured.start()
+        yield secured, expected
+        secured.stop()
+
+
+def test_omnistage_certs_makes_a_ca_and_private_keys_for_every_service(certs: Path) -> None:
+    assert stat.S_IMODE(certs.stat().st_mode) == 0o700
+    ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    for service in SERVICES:
+        assert stat.S_IMODE((certs / f"{service}-key.pem").stat().st_mode) == 0o600
+        cert = x509.load_pem_x509_certificate((certs / f"{service}.pem").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert {service, "localhost", CLUSTER_NAME} <= set(names.get_values_for_type(x509.DNSName))
+        assert "127.0.0.1" in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+
+
+def test_a_second_run_keeps_the_certificates_and_force_rotates_them(tmp_path: Path) -> None:
+    assert cli(["certs", str(tmp_path / "c")]) == 0
+    first = (tmp_path / "c" / "dit-denoise.pem").read_bytes()
+    (tmp_path / "c" / "vae-decode.pem").unlink()
+    assert cli(["certs", str(tmp_path / "c")]) == 0
+    assert (tmp_path / "c" / "dit-denoise.pem").read_bytes() == first
+    assert (tmp_path / "c" / "vae-decode.pem").exists()
+    assert cli(["certs", str(tmp_path / "c"), "--force"]) == 0
+    assert (tmp_path / "c" / "dit-denoise.pem").read_bytes() != first
+
+
+def test_every_hop_over_tls_gives_the_plaintext_image_bit_for_bit(
+    clusters: tuple[InProcessCluster, np.ndarray], certs: Path
+) -> None:
+    secured, expected = clusters
+    got = generate(secured.coordinator, ca_cert=certs / "ca.pem")
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_clients_that_do_not_verify_the_cluster_ca_get_nothing(
+    clusters: tuple[InProcessCluster, np.ndarray], certs: Path, tmp_path: Path
+) -> None:
+    secured, _ = clusters
+    assert cli(["certs", str(tmp_path / "other")]) == 0
+    other_ca = (tmp_path / "other" / "ca.pem").read_bytes()
+    ours = (certs / "ca.pem").read_bytes()
+    for address in secured.addresses.values():
+        assert check_health(address, tls=TlsSettings(ca=ours))
+        assert not check_health(address, tls=TlsSettings())  # plaintext
+        assert not check_health(address, tls=TlsSettings(ca=other_ca))
+        assert not check_health(address, tls=TlsSettings(ca=ours, server_name="evil.example"))
+    with pytest.raises(OmniError) as caught:
+        generate(secured.coordinator, ca_cert=tmp_path / "other" / "ca.pem")
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7"])
+def test_plaintext_is_refused_off_loopback_unless_allowed(
+    host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = grpc.aio.server()
+    with pytest.raises(SystemExit, match="refusing plaintext"):
+        bind(server, f"{host}:0", "test", TlsSettings())
+    monkeypatch.setenv("OMNISTAGE_ALLOW_PLAINTEXT", "1")
+    if host == "0.0.0.0":  # bindable here
+        port, said = bind(server, f"{host}:0", "test", TlsSettings())
+        assert port > 0 and said.startswith("PLAINTEXT")
