@@ -113,6 +113,23 @@ def test_requests_joining_between_steps_match_their_solo_results(runners, overla
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
+def test_requests_admitted_together_start_in_one_forward(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+    """Four requests arriving at once: the first waits for the others being admitted, so the
+    four share every forward (3 forwards for 3 steps, not a first one alone and a 4th)."""
+    calls = [call(runners, f"together {i}", seed=i, num_inference_steps=3) for i in range(4)]
+
+    async def main(compute: Compute) -> tuple[list[StageState], list[int]]:
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
+        results = await asyncio.gather(*(result_of(scheduler.run(c)) for c in calls))
+        scheduler.close()
+        return list(results), list(scheduler.batch_sizes)
+
+    results, sizes = run_async(main)
+    assert sizes == [4, 4, 4]
+    for c, got in zip(calls, results, strict=True):
+        torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
+
+
 def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     calls = [
         call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
