@@ -2,7 +2,7 @@
 digits model, two replicas of every stage) while a chaos thread SIGKILLs a random stage
 replica every few seconds and starts it again.
 
-    python benchmarks/soak.py [--requests 2000] [--concurrency 8] [--kill-every 5]
+    python benchmarks/soak.py [--requests 2000] [--concurrency 8] [--kill-every 5] [--replica-wait 120]
 
 Reports requests lost (any that did not return an image), p50/p99 latency, every process's
 RSS after warm-up and at the end, and the shared-memory segments left after the cluster
@@ -46,7 +46,10 @@ def segments() -> set[str]:
 
 
 def run(args: argparse.Namespace, chaos: bool, log_dir: Path) -> dict[str, object]:
-    plan = loopback_plan(args.model, replicas={stage: 2 for stage in STAGES})
+    # A stage whose replicas are all down makes requests wait for one (the coordinator's
+    # --replica-wait): on 2 shared cores a replacement takes 10-30 s to start.
+    wait = {"OMNISTAGE_REPLICA_WAIT_S": str(args.replica_wait)}
+    plan = loopback_plan(args.model, replicas={stage: 2 for stage in STAGES}, extra_env=wait)
     before = segments()
     latencies: list[float] = []
     failures: list[str] = []  # requests that got no image
@@ -133,6 +136,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--kill-every", type=float, default=5.0)
+    parser.add_argument(
+        "--replica-wait", type=float, default=120.0, help="the coordinator's --replica-wait, seconds"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for chaos in (False, True):

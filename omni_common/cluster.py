@@ -263,10 +263,10 @@ class LocalCluster:
     def _make_certs(self) -> None:
         """TLS files the plan names (docker-compose.yml's) are made if missing, as
         `omnistage certs` would: a local CA and one certificate per service, kept."""
-        from omni_common.certs import SERVICES, make_certs
-
         for path in {Path(p.environment[n]) for p in self.plan for n in TLS_FILES if p.environment.get(n)}:
             if not path.exists():
+                from omni_common.certs import SERVICES, make_certs
+
                 make_certs(path.parent, SERVICES)
 
     def _spawn(self, proc: LocalProcess) -> None:
