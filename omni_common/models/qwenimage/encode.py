@@ -73,9 +73,12 @@ class QwenImageEncoder:
         (~60 ms a prompt on an H100, docs/benchmarks.md). Compiled, the results agree with the
         eager ones to float rounding, not bit for bit, so the CPU stays eager."""
         for layer in self.text_encoder.model.language_model.layers:
-            layer.compile(fullgraph=True)
-        # Two lengths make the sequence dimension dynamic, two texts of different lengths the
-        # batch and the padding mask: three compilations in all, then none.
+            # dynamic=True: batch and length are symbolic from the first compilation (automatic
+            # dynamic re-specialized the length once the batch changed: measured on an H200,
+            # a new length at batch 3 compiled a fifth graph after this warm-up).
+            layer.compile(fullgraph=True, dynamic=True)
+        # A lone text (batch 1, which PyTorch specializes, no mask) and padded batches of two
+        # and three texts (the mask): the graphs every later request reuses.
         short, long = "warm-up", "a longer warm-up prompt that takes more tokens"
         for texts in ([short], [long], [short, long], [long, short, short]):
             self._encode_each(texts)
