@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -34,8 +35,8 @@ from PIL import Image
 from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
 from omni_common.runtime.auth import API_KEY_HEADER
-from omni_common.runtime.rpc import aio_channel, sync_channel
-from omni_common.runtime.tls import client_settings
+from omni_common.runtime.rpc import Metadata, aio_channel, sync_channel
+from omni_common.runtime.tls import TlsSettings, client_settings
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
@@ -179,13 +180,14 @@ class ResultBuilder:
         )
 
 
-def _api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+def _api_key_metadata(api_key: str | None) -> Metadata:
     key = os.environ.get("OMNISTAGE_API_KEY", "") if api_key is None else api_key
     return ((API_KEY_HEADER, key),) if key else ()
 
 
-class Client:
-    """Blocking client of the coordinator."""
+class _Connection:
+    """What both clients hold: the coordinator's address, the default timeout, a stub on a
+    channel that sends the API key and verifies TLS."""
 
     def __init__(
         self,
@@ -202,8 +204,18 @@ class Client:
         self.address = address
         self.timeout = timeout
         tls = client_settings(ca_cert, server_name)
-        self._channel = sync_channel(address, metadata=_api_key_metadata(api_key), tls=tls)
+        self._channel = self._open(address, _api_key_metadata(api_key), tls)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def _open(self, address: str, metadata: Metadata, tls: TlsSettings) -> Any:
+        raise NotImplementedError
+
+
+class Client(_Connection):
+    """Blocking client of the coordinator."""
+
+    def _open(self, address: str, metadata: Metadata, tls: TlsSettings) -> grpc.Channel:
+        return sync_channel(address, metadata=metadata, tls=tls)
 
     def __enter__(self) -> Client:
         return self
@@ -307,26 +319,11 @@ class Client:
             raise error_from_rpc(err) from None
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client of the coordinator; the same methods as Client, awaited."""
 
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        timeout: float | None = 600.0,
-        api_key: str | None = None,
-        ca_cert: str | Path | None = None,
-        server_name: str = "",
-    ) -> None:
-        """`api_key`: for a coordinator that requires one (default: OMNISTAGE_API_KEY).
-        `ca_cert`: a CA bundle (PEM file) to verify the coordinator's TLS certificate against
-        (default: OMNISTAGE_TLS_CA; neither: plaintext); `server_name`: the name to check in
-        it instead of the address's host (default: OMNISTAGE_TLS_SERVER_NAME)."""
-        self.address = address
-        self.timeout = timeout
-        tls = client_settings(ca_cert, server_name)
-        self._channel = aio_channel(address, metadata=_api_key_metadata(api_key), tls=tls)
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+    def _open(self, address: str, metadata: Metadata, tls: TlsSettings) -> grpc.aio.Channel:
+        return aio_channel(address, metadata=metadata, tls=tls)
 
     async def __aenter__(self) -> AsyncClient:
         return self
