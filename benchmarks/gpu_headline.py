@@ -117,6 +117,8 @@ def cluster_plan(args: argparse.Namespace, cache: Path) -> tuple[list[Any], int]
         # The DiT compiles and captures the batch sizes it will serve before it reports ready.
         "OMNISTAGE_CAPTURE_SIZES": ",".join(f"{size}x{size}" for size in args.sizes),
         "OMNISTAGE_COMPILE_CACHE": str(cache),
+        # Every stage waits this long for company before a forward (0: none).
+        "OMNISTAGE_BATCH_WINDOW_MS": str(args.batch_window_ms),
     }
     plan = loopback_plan(args.model, dtype=args.dtype, extra_env=env)
     metrics_port = free_port()
@@ -235,7 +237,7 @@ def step_cache_rows(
     args: argparse.Namespace, client: Client, size: int, exact: np.ndarray, exact_ms: float
 ) -> None:
     """The same request (seed 0) with the first-block cache at each threshold."""
-    for threshold in STEP_CACHE_THRESHOLDS:
+    for threshold in args.step_cache:
         options = {**options_for(args, size), "options": {"step_cache": str(threshold)}}
         client.generate_result(prompt(WARM_UP), seed=99, **options)  # compiles the cached path's shapes
         walls, image = [], None
@@ -394,13 +396,27 @@ def main() -> None:
         "--diffusers-compile", type=int, default=1, help="0: diffusers eager (not its best setting)"
     )
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=0.0,
+        help="the stages' --batch-window-ms: requests that arrive apart share forwards, each lone "
+        "request waits that long at each stage",
+    )
+    parser.add_argument(
+        "--step-cache", type=float, nargs="*", default=list(STEP_CACHE_THRESHOLDS), help="thresholds to time"
+    )
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_headline.py needs a CUDA device")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = run_cluster(args, args.logs or Path(tmp), Path(tmp) / "compile-cache")
     diffusers = run_diffusers(args)
-    summary: dict[str, object] = {"device": device_name(args.device), "steps": args.steps}
+    summary: dict[str, object] = {
+        "device": device_name(args.device),
+        "steps": args.steps,
+        "batch_window_ms": args.batch_window_ms,
+    }
     for size in args.sizes:
         summary[f"latency_ratio_{size}"] = round(cluster.p50_ms[size] / diffusers.p50_ms[size], 3)
         summary[f"image_psnr_db_{size}"] = psnr(cluster.images[size], diffusers.images[size])

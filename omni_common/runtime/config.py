@@ -166,7 +166,8 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "--batch-window-ms",
         type=float,
         default=float(env("BATCH_WINDOW_MS", "0")),
-        help="encoder/VAE: wait this long for more requests before a forward (0 = none)",
+        help="wait this long for more requests before a forward (encoder, VAE) or before the first "
+        "step of new requests (dit-denoise); 0 = none: throughput for latency",
     )
     parser.add_argument(
         "--max-tokens",

@@ -93,6 +93,7 @@ class StepRole:
             max_queue=limits.max_queue,
             name=name,
             device=device,
+            batch_window_s=limits.batch_window_s,
         )
         self.streams = self.scheduler.streaming is not None  # takes streamed inputs
 

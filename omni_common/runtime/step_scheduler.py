@@ -122,6 +122,7 @@ class StepScheduler:
         name: str = "dit-denoise",
         device: torch.device | None = None,
         overlap: bool | None = None,
+        batch_window_s: float = 0.0,
     ) -> None:
         self.runner = runner
         self.name = name
@@ -143,6 +144,9 @@ class StepScheduler:
         self.overlap = (self.timed if overlap is None else overlap) and self.streaming is None
         self.totals = StepTotals()
         self._admitting = 0  # requests whose state is being prepared, about to join
+        # --batch-window-ms: a batch of new requests waits this long for company even when
+        # none is being admitted (requests that reach this stage in waves: throughput for latency).
+        self.batch_window_s = batch_window_s
         self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
         self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
 
@@ -240,14 +244,15 @@ class StepScheduler:
                     await asyncio.wait_for(self._wake.wait(), IDLE_CHECK_S)
 
     async def _waited_for_company(self, batch: list[Job]) -> bool:
-        """Wait (bounded by ADMIT_WAIT_S) when `batch` has room and has not stepped yet while
-        other requests are being admitted: they start in the same forward instead of one
-        later. True when it waited (the batch is to be picked again)."""
-        if not batch or self._admitting == 0 or self.streaming is not None or len(batch) >= self.max_batch:
+        """Wait when `batch` has room and has not stepped yet, while other requests are being
+        admitted (up to ADMIT_WAIT_S) or within the batch window: they start in the same
+        forward instead of one later. True when it waited (the batch is to be picked again)."""
+        window = max(self.batch_window_s, ADMIT_WAIT_S if self._admitting else 0.0)
+        if not batch or not window or self.streaming is not None or len(batch) >= self.max_batch:
             return False
         if any(job.state.step_index for job in batch):
             return False
-        remaining = ADMIT_WAIT_S - (time.monotonic() - min(job.admitted for job in batch))
+        remaining = window - (time.monotonic() - min(job.admitted for job in batch))
         if remaining <= 0:
             return False
         self._wake.clear()

@@ -130,6 +130,24 @@ def test_requests_admitted_together_start_in_one_forward(runners, overlap) -> No
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
+def test_a_batch_window_gathers_requests_that_arrive_apart(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+    """With a batch window, a request that arrives 100 ms after another (its state long
+    prepared) still shares the other's first forward; without one the first starts alone."""
+    calls = [call(runners, f"apart {i}", seed=i, num_inference_steps=3) for i in range(2)]
+
+    async def main(compute: Compute, window_s: float) -> list[int]:
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap, batch_window_s=window_s)
+        first = asyncio.create_task(result_of(scheduler.run(calls[0])))
+        await asyncio.sleep(0.1)
+        await result_of(scheduler.run(calls[1]))
+        await first
+        scheduler.close()
+        return list(scheduler.batch_sizes)
+
+    assert run_async(lambda compute: main(compute, 0.5)) == [2, 2, 2]
+    assert run_async(lambda compute: main(compute, 0.0))[0] == 1
+
+
 def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     calls = [
         call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
