@@ -33,7 +33,7 @@ from PIL import Image
 from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
 from omni_common.runtime.auth import API_KEY_HEADER
-from omni_common.runtime.rpc import aio_channel, sync_channel
+from omni_common.runtime.rpc import Metadata, aio_channel, sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
@@ -324,9 +324,11 @@ class AsyncClient:
             yield event
 
     async def stream(
-        self, request: cpb.GenerateRequest, timeout: float | None
+        self, request: cpb.GenerateRequest, timeout: float | None, metadata: Metadata = ()
     ) -> AsyncIterator[cpb.GenerateEvent]:
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        """The GenerateEvents of a prepared request; `metadata` goes with this call only (a
+        gateway forwards each caller's own API key)."""
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=metadata or None)
         try:
             async for event in call:
                 yield event
@@ -386,9 +388,11 @@ class AsyncClient:
             raise error_from_rpc(err) from None
         return bool(response.cancelled)
 
-    async def list_models(self) -> list[cpb.ModelInfo]:
+    async def list_models(self, metadata: Metadata = ()) -> list[cpb.ModelInfo]:
         try:
-            response = await self._stub.ListModels(cpb.ListModelsRequest(), timeout=10)
+            response = await self._stub.ListModels(
+                cpb.ListModelsRequest(), timeout=10, metadata=metadata or None
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
         return list(response.models)

@@ -9,6 +9,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from omni_common.runtime import tracing
+
 # Bulk tensors never travel in one message: they go by handle, or chunked (CHUNK_BYTES).
 # The limit bounds what a peer can make us buffer; PNG results and raw chunks fit under it.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -100,9 +102,10 @@ def aio_channel(address: str, keepalive_ms: int = KEEPALIVE_MS, metadata: Metada
     """An asyncio channel to `address` ("host:port") with our limits; `metadata` goes with
     every call (omni_common.runtime.auth: the cluster token, an API key)."""
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
-    interceptors = [kind(metadata) for kind in kinds] if metadata else None
+    interceptors = [kind(metadata) for kind in kinds] if metadata else []
+    interceptors += tracing.client_interceptors()  # the caller's trace context; none when off
     return grpc.aio.insecure_channel(
-        address, options=channel_options(keepalive_ms), interceptors=interceptors
+        address, options=channel_options(keepalive_ms), interceptors=interceptors or None
     )
 
 
@@ -178,4 +181,7 @@ def aio_server(
 ) -> grpc.aio.Server:
     """An asyncio server with our limits (no thread pool: handlers are coroutines); malformed
     requests are refused cleanly (DecodeGuard), after `interceptors` (access control)."""
-    return grpc.aio.server(options=server_options(keepalive_ms), interceptors=(*interceptors, DecodeGuard()))
+    traced = tracing.server_interceptors()  # a span per traced call; none when tracing is off
+    return grpc.aio.server(
+        options=server_options(keepalive_ms), interceptors=(*traced, *interceptors, DecodeGuard())
+    )
