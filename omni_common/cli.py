@@ -74,9 +74,10 @@ def _cluster_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(plan, log_dir=Path(args.logs) if args.logs else None)
     try:
         cluster.start(timeout_s=args.timeout)
+        page = f"; try it at {cluster.gateway}/" if cluster.gateway else ""
         print(
             f"cluster ready: {', '.join(p.name for p in plan)}; "
-            f"coordinator at {cluster.coordinator}. Ctrl-C stops it.",
+            f"coordinator at {cluster.coordinator}{page}. Ctrl-C stops it.",
             flush=True,
         )
         stop.wait()

@@ -1,6 +1,10 @@
-"""Health probe of any omnistage service (grpc.health.v1), used by the launcher and compose."""
+"""Health probe of any omnistage service, used by the launcher and compose: grpc.health.v1
+for the gRPC services, GET of an http:// URL (200 = healthy) for the HTTP gateway."""
 
 from __future__ import annotations
+
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -9,7 +13,13 @@ from omni_common.runtime.rpc import sync_channel
 
 
 def check_health(address: str, timeout_s: float = 2.0) -> bool:
-    """True when the service at `address` answers SERVING."""
+    """True when the service at `address` ("host:port", or an http:// URL) answers SERVING."""
+    if address.startswith("http://"):
+        try:
+            with urllib.request.urlopen(address, timeout=timeout_s) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
     with sync_channel(address) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
