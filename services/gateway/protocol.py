@@ -30,6 +30,9 @@ from omni_common.errors import InvalidArgument, OmniError
 from omnistage.v1 import coordinator_pb2 as cpb
 
 MAX_SEED = (1 << 64) - 1
+# A request that is not streamed needs no step events: the last step's only (the most steps
+# a request may have), which spares every hop an event per step.
+LAST_STEP_ONLY = 1000
 MAX_BODY_BYTES = 1 << 20  # prompts are at most 10,000 characters each
 
 # gRPC status -> (HTTP status, OpenAI error type).
@@ -166,6 +169,7 @@ def image_job(doc: dict[str, Any], max_images: int) -> ImageJob:
             model=model,
             image_format="png",
             preview_every=preview_every if stream else 0,
+            progress_every=1 if stream else LAST_STEP_ONLY,
         )
         params = request.params
         # Unset fields take the model's defaults at the coordinator.
