@@ -81,8 +81,8 @@ def test_one_request_is_one_trace_from_the_gateway_through_every_stage(traced, s
         (run,) = children(step, STAGE_RUN)
         assert run.kind == SpanKind.SERVER
         assert step.start_time <= run.start_time and run.end_time <= step.end_time
-    # The encoder and the VAE queue requests for a batch: the wait is a span in the stage.
-    for stage in ("ar-encoder", "vae-decode"):
+    # Each stage queues a request (for a batch, for its first step): the wait is a span.
+    for stage in ("ar-encoder", "dit-denoise", "vae-decode"):
         (run,) = children(steps[stage], STAGE_RUN)
         (wait,) = children(run, "queue wait")
         assert wait.end_time <= run.end_time
