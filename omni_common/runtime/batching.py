@@ -79,7 +79,7 @@ class MicroBatcher(Generic[I, O]):
             self._task = asyncio.create_task(self._loop())
         future: asyncio.Future[O] = asyncio.get_running_loop().create_future()
         waiting = tracing.start(
-            "queue wait", **{"omnistage.queue": self.name, "omnistage.queued": str(len(self.queue))}
+            "queue wait", attributes={"omnistage.queue": self.name, "omnistage.queued": len(self.queue)}
         )
         pending = _Pending(item, future, deadline, label, waiting)
         self.queue.append(pending)

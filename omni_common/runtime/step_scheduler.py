@@ -168,7 +168,7 @@ class StepScheduler:
                 raise
         job = Job(call, state, self.runner.step_cost(state))
         job.waiting = tracing.start(
-            "queue wait", **{"omnistage.queue": self.name, "omnistage.queued": str(len(self.jobs))}
+            "queue wait", attributes={"omnistage.queue": self.name, "omnistage.queued": len(self.jobs)}
         )
         self.jobs.append(job)
         if call.inbox is not None:

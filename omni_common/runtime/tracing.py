@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -102,12 +102,23 @@ def span(name: str, kind: str = "internal", **attributes: str | int | float | bo
         yield current
 
 
-def start(name: str, kind: str = "internal", **attributes: str | int | float | bool) -> Any:
-    """A span that starts now, a child of the current one, and ends when its `end()` is
-    called, from any task (a wait that another task ends, a streamed response)."""
+def start(
+    name: str,
+    kind: str = "internal",
+    carrier: Mapping[str, str] | None = None,
+    attributes: Mapping[str, str | int | float | bool] | None = None,
+) -> Any:
+    """A span that starts now and ends when its `end()` is called, from any task (a wait
+    that another task ends, a streamed response): a child of the context in `carrier` (an
+    HTTP request's headers: W3C `traceparent`) when given, else of the current span."""
     if _tracer is None:
         return NO_SPAN
-    return _tracer.start_span(name, kind=_kind(kind), attributes=attributes)
+    parent = None
+    if carrier is not None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        parent = TraceContextTextMapPropagator().extract(carrier)
+    return _tracer.start_span(name, context=parent, kind=_kind(kind), attributes=attributes)
 
 
 @contextlib.contextmanager

@@ -28,12 +28,13 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from omni_common.client import AsyncClient
-from omni_common.errors import OmniError
+from omni_common.errors import InvalidArgument, OmniError
 from omni_common.runtime import tracing
 from omni_common.runtime.auth import API_KEY_HEADER
 from omni_common.runtime.config import GatewayConfig
 from omnistage.v1 import coordinator_pb2 as cpb
 from services.gateway.protocol import (
+    MAX_BODY_BYTES,
     SSE_DONE,
     error_body,
     image_item,
@@ -138,10 +139,10 @@ def build_app(config: GatewayConfig) -> Starlette:
         if state.draining:
             return error_response(OmniError("the gateway is shutting down", grpc.StatusCode.UNAVAILABLE))
         # The request's trace: its root here, or a child of the caller's (W3C traceparent).
-        span = tracing.start("POST /v1/images/generations", kind="server")
+        span = tracing.start("POST /v1/images/generations", kind="server", carrier=request.headers)
         state.in_flight += 1
         try:
-            job = image_job(parse_json(await request.body()), config.max_images)
+            job = image_job(parse_json(await _body(request)), config.max_images)
             span.set_attribute("omnistage.images", len(job.requests))
             calls = [
                 state.client.stream(r, config.request_timeout_s, credentials(request)) for r in job.requests
@@ -186,6 +187,19 @@ def build_app(config: GatewayConfig) -> Starlette:
     )
     app.state.gateway = state
     return app
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, read only up to MAX_BODY_BYTES (more is refused: 400)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise InvalidArgument(f"the request body is over {MAX_BODY_BYTES} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise InvalidArgument(f"the request body is over {MAX_BODY_BYTES} bytes")
+    return bytes(body)
 
 
 def _failed(span: Any, err: OmniError) -> JSONResponse:

@@ -125,6 +125,7 @@ SMALL = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 2, "seed": 1
         ({"size": "16x16"}, "prompt", "invalid_argument"),
         (b"{not json", None, "invalid_argument"),
         (b"[1, 2]", None, "invalid_argument"),
+        (b'{"prompt": "' + b"x" * (2 << 20) + b'"}', None, "invalid_argument"),  # over 1 MiB
     ],
 )
 def test_bad_requests_are_400_with_the_field_named(gateway, body, param, code) -> None:  # type: ignore[no-untyped-def]
@@ -315,3 +316,23 @@ def test_draining_gateway_says_503_on_health(cluster) -> None:  # type: ignore[n
         worker.join(60)
         stopper.join(60)
     assert result["status"] == 200  # the request in flight finished during the drain
+
+
+def test_the_openai_clients_own_stream_gets_previews_then_the_image(cluster, gateway) -> None:  # type: ignore[no-untyped-def]
+    stream = openai_client(gateway).images.generate(
+        model=MODEL,
+        prompt="a red fox in snow",
+        size="32x32",
+        stream=True,
+        partial_images=2,
+        extra_body={"seed": 5, "num_inference_steps": 6},
+    )
+    events = list(stream)
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    completed = [e for e in events if e.type == "image_generation.completed"]
+    # partial_images=2 over 6 steps: a preview every 2 steps (2, 4, 6).
+    assert [e.partial_image_index for e in partial] == [0, 1, 2]
+    (done,) = completed
+    with Client(cluster.coordinator, api_key=KEY) as sdk:
+        expected = sdk.generate("a red fox in snow", width=32, height=32, steps=6, seed=5)
+    np.testing.assert_array_equal(pixels(base64.b64decode(done.b64_json)), pixels(expected))

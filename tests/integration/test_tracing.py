@@ -122,3 +122,19 @@ def test_every_service_answers_grpc_reflection(traced) -> None:  # type: ignore[
             request = reflection_pb2.ServerReflectionRequest(file_containing_symbol=sorted(expected[name])[0])
             (answer,) = stub.ServerReflectionInfo(iter([request]), timeout=10)
             assert answer.file_descriptor_response.file_descriptor_proto, name
+
+
+def test_an_http_callers_trace_context_is_the_gateways_parent(traced, spans) -> None:  # type: ignore[no-untyped-def]
+    _, gateway = traced
+    spans.clear()
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    body = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 2}
+    headers = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+    response = httpx.post(f"{gateway.url}/v1/images/generations", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200
+    finished = list(spans.get_finished_spans())
+    (root,) = [s for s in finished if s.name == "POST /v1/images/generations"]
+    assert root.parent is not None and format(root.parent.span_id, "016x") == parent_id
+    assert format(root.context.trace_id, "032x") == trace_id
+    runs = [s for s in finished if s.name == STAGE_RUN]
+    assert len(runs) == 3 and {format(s.context.trace_id, "032x") for s in runs} == {trace_id}
