@@ -16,10 +16,10 @@ import base64
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from starlette.applications import Starlette
@@ -48,6 +48,7 @@ log = logging.getLogger("omnistage.gateway")
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
 Events = AsyncIterator[cpb.GenerateEvent]
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,6 +91,11 @@ class _Image:
     def item(self) -> dict[str, Any]:
         if self.result is None:
             raise OmniError("the coordinator's stream ended without a result", grpc.StatusCode.DATA_LOSS)
+        if self.result.kind not in ("", "image"):  # a model that speaks or writes
+            raise InvalidArgument(
+                f"this model answers with {self.result.kind}, not an image; "
+                "/v1/images/generations serves image models"
+            )
         return image_item(self.result, self.seed, self.timings)
 
 
@@ -215,10 +221,21 @@ async def _first(call: Events) -> cpb.GenerateEvent:
     raise OmniError("the coordinator's stream ended at once", grpc.StatusCode.DATA_LOSS)
 
 
+async def _all(work: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of `work`, run at once; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(item) for item in work]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _first_events(calls: list[Events]) -> list[cpb.GenerateEvent]:
     """Every call's first event, at once; on any failure every call is closed (cancelled)."""
     try:
-        return list(await asyncio.gather(*(_first(call) for call in calls)))
+        return await _all([_first(call) for call in calls])
     except BaseException:
         await _close(calls)
         raise
@@ -243,9 +260,7 @@ async def _collect(
         return image.item()
 
     try:
-        return list(
-            await asyncio.gather(*(one(c, f, s) for c, f, s in zip(calls, firsts, seeds, strict=True)))
-        )
+        return await _all([one(c, f, s) for c, f, s in zip(calls, firsts, seeds, strict=True)])
     finally:
         await _close(calls)
 

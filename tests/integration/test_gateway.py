@@ -336,3 +336,15 @@ def test_the_openai_clients_own_stream_gets_previews_then_the_image(cluster, gat
     with Client(cluster.coordinator, api_key=KEY) as sdk:
         expected = sdk.generate("a red fox in snow", width=32, height=32, steps=6, seed=5)
     np.testing.assert_array_equal(pixels(base64.b64decode(done.b64_json)), pixels(expected))
+
+
+def test_a_refused_image_cancels_the_others_of_its_request(gateway) -> None:  # type: ignore[no-untyped-def]
+    # Three long images where two fit: the third is refused, so the request is 429 ...
+    response = post(gateway.url, {**SMALL, "n": MAX_IN_FLIGHT + 1, "num_inference_steps": 1000})
+    assert response.status_code == 429
+    # ... and the two accepted ones were cancelled with it: the cluster serves at once.
+    started = time.monotonic()
+    while (response := post(gateway.url, SMALL)).status_code == 429:
+        assert time.monotonic() - started < 10, "the accepted images of a refused request kept running"
+        time.sleep(0.1)
+    assert response.status_code == 200
