@@ -172,11 +172,15 @@ def build_app(config: GatewayConfig) -> Starlette:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            items = await _collect(calls, firsts, seeds)
+            items = await _unless_gone(request, _collect(calls, firsts, seeds))
         except OmniError as err:
             return _failed(span, err)
         finally:
             state.in_flight -= 1
+        if items is None:  # the client went away: its requests were cancelled
+            span.set_attribute("http.status_code", 499)
+            span.end()
+            return Response(status_code=499)
         span.set_attribute("http.status_code", 200)
         span.end()
         return JSONResponse({"created": int(time.time()), "data": items})
@@ -213,6 +217,25 @@ def _failed(span: Any, err: OmniError) -> JSONResponse:
     span.set_attribute("http.status_code", response.status_code)
     span.end()
     return response
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None (and `work` cancelled) once the client has closed the
+    connection: a generation nobody waits for stops in every stage."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 async def _first(call: Events) -> cpb.GenerateEvent:

@@ -112,10 +112,10 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     return dict(body["error"])
 
 
-def post(url: str, body: object, key: str | None = KEY, **kwargs: Any) -> httpx.Response:
+def post(url: str, body: object, key: str | None = KEY, timeout: float = 60) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{url}/v1/images/generations", content=content, headers=headers, timeout=60, **kwargs)
+    return httpx.post(f"{url}/v1/images/generations", content=content, headers=headers, timeout=timeout)
 
 
 SMALL = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 2, "seed": 1}
@@ -357,3 +357,13 @@ def test_a_refused_image_cancels_the_others_of_its_request(gateway) -> None:  # 
         assert time.monotonic() < deadline, "the accepted images of a refused request kept running"
         time.sleep(0.05)
     assert post(gateway.url, SMALL).status_code == 200
+
+
+def test_a_client_that_stops_waiting_cancels_its_request(gateway) -> None:  # type: ignore[no-untyped-def]
+    before = cancelled()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        post(gateway.url, {**SMALL, "num_inference_steps": 1000}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while cancelled() < before + 1:
+        assert time.monotonic() < deadline, "the request of a client that left kept running"
+        time.sleep(0.05)
