@@ -6,13 +6,12 @@ Every route is a thin translation: the coordinator validates, routes and enforce
 refusal comes back as 401), and its gRPC status becomes the HTTP status (protocol.py).
 A streamed request commits to HTTP 200 only once the coordinator has accepted every image
 of it, so a refused request still gets its own status; a failure after that is an `error`
-event. A client that goes away cancels its requests in every stage.
+event (streams.py). A client that goes away cancels its requests in every stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
@@ -32,22 +31,12 @@ from omni_common.errors import InvalidArgument, OmniError
 from omni_common.runtime import tracing
 from omni_common.runtime.auth import API_KEY_HEADER
 from omni_common.runtime.config import GatewayConfig
-from omnistage.v1 import coordinator_pb2 as cpb
-from services.gateway.protocol import (
-    MAX_BODY_BYTES,
-    SSE_DONE,
-    error_body,
-    image_item,
-    image_job,
-    model_entry,
-    parse_json,
-    sse,
-)
+from services.gateway.protocol import MAX_BODY_BYTES, error_body, image_job, model_entry, parse_json
+from services.gateway.streams import collect, first_events, sse_body
 
 log = logging.getLogger("omnistage.gateway")
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
-Events = AsyncIterator[cpb.GenerateEvent]
 T = TypeVar("T")
 
 
@@ -71,32 +60,6 @@ def credentials(request: Request) -> tuple[tuple[str, str], ...]:
 def error_response(err: OmniError) -> JSONResponse:
     status, body, headers = error_body(err)
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-class _Image:
-    """Folds one image's GenerateEvents: its result and per-step wall times."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.timings: dict[str, float] = {}
-        self.result: cpb.Result | None = None
-
-    def add(self, event: cpb.GenerateEvent) -> None:
-        if event.HasField("stage_finished"):
-            finished = event.stage_finished
-            self.timings[finished.step or finished.stage] = round(finished.wall_ms, 3)
-        elif event.HasField("result"):
-            self.result = event.result
-
-    def item(self) -> dict[str, Any]:
-        if self.result is None:
-            raise OmniError("the coordinator's stream ended without a result", grpc.StatusCode.DATA_LOSS)
-        if self.result.kind not in ("", "image"):  # a model that speaks or writes
-            raise InvalidArgument(
-                f"this model answers with {self.result.kind}, not an image; "
-                "/v1/images/generations serves image models"
-            )
-        return image_item(self.result, self.seed, self.timings)
 
 
 def build_app(config: GatewayConfig) -> Starlette:
@@ -156,7 +119,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             with tracing.current(span):  # the calls carry it to the coordinator
                 # The first event (Accepted) says the coordinator took the request: only then
                 # is it 200; a refusal before it keeps its own status.
-                firsts = await _first_events(calls)
+                firsts = await first_events(calls)
         except OmniError as err:
             state.in_flight -= 1
             return _failed(span, err)
@@ -167,12 +130,12 @@ def build_app(config: GatewayConfig) -> Starlette:
         seeds = [r.params.seed for r in job.requests]
         if job.stream:
             return StreamingResponse(
-                _tracked(state, span, _stream(calls, firsts, seeds)),
+                _tracked(state, span, sse_body(calls, firsts, seeds)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            items = await _unless_gone(request, _collect(calls, firsts, seeds))
+            items = await _unless_gone(request, collect(calls, firsts, seeds))
         except OmniError as err:
             return _failed(span, err)
         finally:
@@ -236,161 +199,6 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T | No
             task.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
     return None if task.cancelled() else task.result()
-
-
-async def _first(call: Events) -> cpb.GenerateEvent:
-    async for event in call:
-        return event
-    raise OmniError("the coordinator's stream ended at once", grpc.StatusCode.DATA_LOSS)
-
-
-async def _all(work: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """The results of `work`, run at once; the first failure cancels the rest and is raised."""
-    tasks = [asyncio.ensure_future(item) for item in work]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _first_events(calls: list[Events]) -> list[cpb.GenerateEvent]:
-    """Every call's first event, at once; on any failure every call is closed (cancelled)."""
-    try:
-        return await _all([_first(call) for call in calls])
-    except BaseException:
-        await _close(calls)
-        raise
-
-
-async def _close(calls: list[Events]) -> None:
-    for call in calls:
-        with contextlib.suppress(BaseException):
-            await call.aclose()  # type: ignore[attr-defined]
-
-
-async def _collect(
-    calls: list[Events], firsts: list[cpb.GenerateEvent], seeds: list[int]
-) -> list[dict[str, Any]]:
-    """Every image of a request (non-streamed), in order."""
-
-    async def one(call: Events, first: cpb.GenerateEvent, seed: int) -> dict[str, Any]:
-        image = _Image(seed)
-        image.add(first)
-        async for event in call:
-            image.add(event)
-        return image.item()
-
-    try:
-        return await _all([one(c, f, s) for c, f, s in zip(calls, firsts, seeds, strict=True)])
-    finally:
-        await _close(calls)
-
-
-async def _stream(
-    calls: list[Events], firsts: list[cpb.GenerateEvent], seeds: list[int]
-) -> AsyncIterator[bytes]:
-    """The SSE body: each image's step, preview and stage events as they come (`index` says
-    which image), its `image_generation.completed` event, then `[DONE]`; a failure is an
-    `error` event and ends the stream."""
-    queue: asyncio.Queue[tuple[int, cpb.GenerateEvent | OmniError | None]] = asyncio.Queue()
-
-    async def pump(index: int, call: Events) -> None:
-        try:
-            async for event in call:
-                await queue.put((index, event))
-        except OmniError as err:
-            await queue.put((index, err))
-        finally:
-            await queue.put((index, None))
-
-    images = [_Image(seed) for seed in seeds]
-    for image, first in zip(images, firsts, strict=True):
-        image.add(first)
-    pumps = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
-    previews = [0] * len(calls)
-    try:
-        open_calls = len(calls)
-        while open_calls:
-            index, event = await queue.get()
-            if event is None:
-                open_calls -= 1
-                continue
-            if isinstance(event, OmniError):
-                _, body, _ = error_body(event)
-                yield sse({"type": "error", "index": index, **body})
-                return
-            images[index].add(event)
-            for payload in _payloads(index, event, images[index], previews):
-                yield sse(payload)
-        yield SSE_DONE
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        await _close(calls)
-
-
-def _payloads(
-    index: int, event: cpb.GenerateEvent, image: _Image, previews: list[int]
-) -> list[dict[str, Any]]:
-    """The SSE payloads of one coordinator event."""
-    kind = event.WhichOneof("event")
-    if kind == "step":
-        step = event.step
-        out: list[dict[str, Any]] = [
-            {"type": "image_generation.step", "index": index, "step": step.step, "total": step.total}
-        ]
-        if step.preview_png:
-            out.append(
-                {
-                    "type": "image_generation.partial_image",
-                    "index": index,
-                    "partial_image_index": previews[index],
-                    "step": step.step,
-                    "b64_json": base64.b64encode(step.preview_png).decode(),
-                    "output_format": "png",
-                }
-            )
-            previews[index] += 1
-        return out
-    if kind == "stage_started":
-        started = event.stage_started
-        return [
-            {
-                "type": "image_generation.stage_started",
-                "index": index,
-                "step": started.step,
-                "stage": started.stage,
-            }
-        ]
-    if kind == "stage_finished":
-        finished = event.stage_finished
-        return [
-            {
-                "type": "image_generation.stage_finished",
-                "index": index,
-                "step": finished.step or finished.stage,
-                "stage": finished.stage,
-                "wall_ms": round(finished.wall_ms, 3),
-                "compute_ms": round(finished.compute_ms, 3),
-            }
-        ]
-    if kind == "waiting":
-        waiting = event.waiting
-        return [
-            {
-                "type": "image_generation.waiting",
-                "index": index,
-                "stage": waiting.stage,
-                "max_wait_ms": waiting.max_wait_ms,
-            }
-        ]
-    if kind == "result":
-        item = image.item()
-        return [{"type": "image_generation.completed", "index": index, "output_format": "png", **item}]
-    return []
 
 
 async def _tracked(state: GatewayState, span: Any, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
