@@ -77,7 +77,7 @@ async def first_events(calls: list[Events]) -> list[cpb.GenerateEvent]:
 async def close(calls: list[Events]) -> None:
     """End every call (a call still running is cancelled at the coordinator)."""
     for call in calls:
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(Exception):
             await call.aclose()  # type: ignore[attr-defined]
 
 
