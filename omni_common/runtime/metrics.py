@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from omni_common.runtime.config import STAGES
-from omni_common.runtime.step_scheduler import StepTotals
+
+if TYPE_CHECKING:  # (the step scheduler brings torch, which a service without a model lacks)
+    from omni_common.runtime.step_scheduler import StepTotals
 
 # A scraper that sends no complete request head in this time is dropped.
 READ_TIMEOUT_S = 5.0
