@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from omni_common.errors import InvalidArgument, OmniError
 from omni_common.runtime import tracing
 from omni_common.runtime.auth import API_KEY_HEADER
 from omni_common.runtime.config import GatewayConfig
+from omni_common.runtime.metrics import GatewayMetrics
 from services.gateway.protocol import MAX_BODY_BYTES, error_body, image_job, model_entry, parse_json
 from services.gateway.streams import collect, first_events, sse_body
 
@@ -42,12 +43,47 @@ T = TypeVar("T")
 
 @dataclass
 class GatewayState:
-    """What the routes share: the coordinator's client and whether the gateway drains."""
+    """What the routes share: the coordinator's client, whether the gateway drains, its
+    metrics."""
 
     config: GatewayConfig
     client: AsyncClient | None = None
     draining: bool = False
     in_flight: int = 0
+    metrics: GatewayMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = GatewayMetrics(lambda: self.in_flight)
+
+
+class _Served:
+    """One generation request's bookkeeping, from its arrival to its response's end: its
+    trace span (a child of the caller's `traceparent`, if any), the in-flight count a drain
+    waits for, its metrics."""
+
+    def __init__(self, state: GatewayState, route: str, request: Request) -> None:
+        self.state = state
+        self.route = route
+        self.started = time.perf_counter()
+        self.span = tracing.start(f"POST {route}", kind="server", carrier=request.headers)
+        state.in_flight += 1
+
+    def end(self, response: Response) -> Response:
+        """Book the request as answered with `response`, and return it."""
+        status = response.status_code
+        self.state.in_flight -= 1
+        self.state.metrics.answered(self.route, status, time.perf_counter() - self.started)
+        self.span.set_attribute("http.status_code", status)
+        self.span.end()
+        return response
+
+    async def until_done(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A streamed body, booked as answered (200) when it ends."""
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            self.end(Response(status_code=200))
 
 
 def credentials(request: Request) -> tuple[tuple[str, str], ...]:
@@ -78,6 +114,10 @@ def build_app(config: GatewayConfig) -> Starlette:
     async def page(request: Request) -> Response:
         return FileResponse(PAGE, media_type="text/html; charset=utf-8")
 
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.text()
+        return Response(body, media_type=content_type)
+
     async def health(request: Request) -> Response:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -107,51 +147,39 @@ def build_app(config: GatewayConfig) -> Starlette:
         assert state.client is not None
         if state.draining:
             return error_response(OmniError("the gateway is shutting down", grpc.StatusCode.UNAVAILABLE))
-        # The request's trace: its root here, or a child of the caller's (W3C traceparent).
-        span = tracing.start("POST /v1/images/generations", kind="server", carrier=request.headers)
-        state.in_flight += 1
+        served = _Served(state, "/v1/images/generations", request)
         try:
             job = image_job(parse_json(await _body(request)), config.max_images)
-            span.set_attribute("omnistage.images", len(job.requests))
+            served.span.set_attribute("omnistage.images", len(job.requests))
             calls = [
                 state.client.stream(r, config.request_timeout_s, credentials(request)) for r in job.requests
             ]
-            with tracing.current(span):  # the calls carry it to the coordinator
+            with tracing.current(served.span):  # the calls carry it to the coordinator
                 # The first event (Accepted) says the coordinator took the request: only then
                 # is it 200; a refusal before it keeps its own status.
                 firsts = await first_events(calls)
-        except OmniError as err:
-            state.in_flight -= 1
-            return _failed(span, err)
-        except BaseException:
-            state.in_flight -= 1
-            span.end()
-            raise
-        seeds = [r.params.seed for r in job.requests]
-        if job.stream:
-            return StreamingResponse(
-                _tracked(state, span, sse_body(calls, firsts, seeds)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
+            seeds = [r.params.seed for r in job.requests]
+            if job.stream:
+                return StreamingResponse(
+                    served.until_done(sse_body(calls, firsts, seeds)),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             items = await _unless_gone(request, collect(calls, firsts, seeds))
         except OmniError as err:
-            return _failed(span, err)
-        finally:
-            state.in_flight -= 1
+            return served.end(error_response(err))
+        except BaseException:
+            served.end(Response(status_code=500))
+            raise
         if items is None:  # the client went away: its requests were cancelled
-            span.set_attribute("http.status_code", 499)
-            span.end()
-            return Response(status_code=499)
-        span.set_attribute("http.status_code", 200)
-        span.end()
-        return JSONResponse({"created": int(time.time()), "data": items})
+            return served.end(Response(status_code=499))
+        return served.end(JSONResponse({"created": int(time.time()), "data": items}))
 
     app = Starlette(
         routes=[
             Route("/", page),
             Route("/health", health),
+            Route("/metrics", metrics),
             Route("/v1/models", list_models),
             Route("/v1/models/{model:path}", get_model),
             Route("/v1/images/generations", generate, methods=["POST"]),
@@ -175,13 +203,6 @@ async def _body(request: Request) -> bytes:
     return bytes(body)
 
 
-def _failed(span: Any, err: OmniError) -> JSONResponse:
-    response = error_response(err)
-    span.set_attribute("http.status_code", response.status_code)
-    span.end()
-    return response
-
-
 async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """`work`'s result, or None (and `work` cancelled) once the client has closed the
     connection: a generation nobody waits for stops in every stage."""
@@ -199,13 +220,3 @@ async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T | No
             task.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
     return None if task.cancelled() else task.result()
-
-
-async def _tracked(state: GatewayState, span: Any, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`body`, counted in flight (a drain waits for open streams) and traced until it ends."""
-    try:
-        async for chunk in body:
-            yield chunk
-    finally:
-        state.in_flight -= 1
-        span.end()

@@ -18,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_common.client import Client
 from omni_common.cluster import free_port
@@ -367,3 +368,29 @@ def test_a_client_that_stops_waiting_cancels_its_request(gateway) -> None:  # ty
     while cancelled() < before + 1:
         assert time.monotonic() < deadline, "the request of a client that left kept running"
         time.sleep(0.05)
+
+
+def gateway_metrics(gateway: InProcessGateway) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_the_gateway_counts_its_answers_by_status(gateway) -> None:  # type: ignore[no-untyped-def]
+    route = ("route", "/v1/images/generations")
+
+    def answered(status: int) -> float:
+        key = ("omnistage_gateway_requests_total", frozenset({route, ("status", str(status))}))
+        return gateway_metrics(gateway).get(key, 0.0)
+
+    ok, bad = answered(200), answered(400)
+    assert post(gateway.url, SMALL).status_code == 200
+    assert post(gateway.url, {**SMALL, "size": "big"}).status_code == 400
+    assert (answered(200), answered(400)) == (ok + 1, bad + 1)
+    samples = gateway_metrics(gateway)
+    assert samples[("omnistage_gateway_requests_in_flight", frozenset())] == 0
+    count = samples[("omnistage_gateway_request_seconds_count", frozenset({route}))]
+    assert count >= ok + bad + 2

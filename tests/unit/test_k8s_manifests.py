@@ -205,5 +205,8 @@ def test_the_gateway_runs_the_compose_service_behind_an_http_probe() -> None:
     for probe in ("readinessProbe", "livenessProbe"):
         assert running[probe]["httpGet"] == {"path": "/health", "port": http_port}, probe
     assert {p["name"]: p["port"] for p in find("Service", "gateway")["spec"]["ports"]} == {"http": http_port}
+    annotations = find("Deployment", "gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == http_port  # served beside the API
     grace = find("Deployment", "gateway")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert f"{grace}s" == declared["stop_grace_period"] and grace > DRAIN_GRACE_S + 5
