@@ -16,5 +16,5 @@ COPY services ./services
 RUN pip install .
 
 # Models are mounted at /models (see docker-compose.yml); nothing is downloaded at run time.
-EXPOSE 50051 50061 50062 50063
+EXPOSE 50051 50061 50062 50063 8000
 CMD ["omnistage", "serve", "coordinator"]

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import wave
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from omnistage.v1 import coordinator_pb2 as cpb
+
+if TYPE_CHECKING:  # the client SDK (decode, WAV files) works without torch
+    import torch
 
 PCM16_SCALE = 32767
 
 
 def encode_audio(samples: torch.Tensor, audio_format: int) -> bytes:
     """Float samples in [-1, 1] (any shape, read flat) as AudioChunk.data bytes."""
+    import torch
+
     flat = samples.detach().to("cpu", torch.float32).reshape(-1).numpy()
     if audio_format == cpb.AUDIO_FORMAT_FLOAT32:
         return flat.astype("<f4").tobytes()

@@ -15,10 +15,17 @@ DEFAULT_MODEL_NAME = "qwen-image-tiny"
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from omni_common.runtime.config import coordinator_config, stage_config
+    from omni_common.runtime import tracing
+    from omni_common.runtime.config import coordinator_config, gateway_config, stage_config
     from omni_common.runtime.logging import setup_logging
 
     setup_logging(args.service)
+    tracing.setup(args.service)  # OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    if args.service == "gateway":
+        from services.gateway.server import main as gateway_main
+
+        gateway_main(gateway_config(args))
+        return 0
     if args.service == "coordinator":
         from services.coordinator.server import main as coordinator_main
 
@@ -67,9 +74,10 @@ def _cluster_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(plan, log_dir=Path(args.logs) if args.logs else None)
     try:
         cluster.start(timeout_s=args.timeout)
+        page = f"; try it at {cluster.gateway}/" if cluster.gateway else ""
         print(
             f"cluster ready: {', '.join(p.name for p in plan)}; "
-            f"coordinator at {cluster.coordinator}. Ctrl-C stops it.",
+            f"coordinator at {cluster.coordinator}{page}. Ctrl-C stops it.",
             flush=True,
         )
         stop.wait()
@@ -290,7 +298,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from omni_common.runtime.config import STAGES, add_coordinator_args, add_stage_args
+    from omni_common.runtime.config import STAGES, add_coordinator_args, add_gateway_args, add_stage_args
 
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -300,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_coordinator_args(services.add_parser("coordinator", help="route requests over the stages"))
     for stage in STAGES:
         add_stage_args(services.add_parser(stage, help=f"serve the {stage} stage"), stage)
+    add_gateway_args(
+        services.add_parser(
+            "gateway", help="the OpenAI-compatible HTTP API and the try-it page, over the coordinator"
+        )
+    )
     serve.set_defaults(func=_serve)
 
     cluster = sub.add_parser("cluster", help="the local cluster of docker-compose.yml")

@@ -341,9 +341,11 @@ class AsyncClient(_Connection):
             yield event
 
     async def stream(
-        self, request: cpb.GenerateRequest, timeout: float | None
+        self, request: cpb.GenerateRequest, timeout: float | None, metadata: Metadata = ()
     ) -> AsyncIterator[cpb.GenerateEvent]:
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        """The GenerateEvents of a prepared request; `metadata` goes with this call only (a
+        gateway forwards each caller's own API key)."""
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=metadata or None)
         try:
             async for event in call:
                 yield event
@@ -403,9 +405,11 @@ class AsyncClient(_Connection):
             raise error_from_rpc(err) from None
         return bool(response.cancelled)
 
-    async def list_models(self) -> list[cpb.ModelInfo]:
+    async def list_models(self, metadata: Metadata = ()) -> list[cpb.ModelInfo]:
         try:
-            response = await self._stub.ListModels(cpb.ListModelsRequest(), timeout=10)
+            response = await self._stub.ListModels(
+                cpb.ListModelsRequest(), timeout=10, metadata=metadata or None
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
         return list(response.models)

@@ -140,14 +140,23 @@ def local_plan(
             if i == 0:
                 plan.append(LocalProcess(spec.name, argv, environment, spec.health_address))
                 continue
-            host, port = spec.health_address.rsplit(":", 1)
-            moved = str(int(port) + 100 * i)
+            port, moved_address = _moved(spec.health_address, 100 * i)
             plan.append(
                 LocalProcess(
-                    f"{spec.name}-{i + 1}", argv, {**environment, "OMNISTAGE_PORT": moved}, f"{host}:{moved}"
+                    f"{spec.name}-{i + 1}", argv, {**environment, "OMNISTAGE_PORT": port}, moved_address
                 )
             )
     return plan
+
+
+def _moved(health_address: str, by: int) -> tuple[str, str]:
+    """The port of a health address ("host:port", or "http://host:port/path") moved by `by`,
+    and the address with it."""
+    scheme, sep, rest = health_address.rpartition("://")
+    hostport, slash, path = rest.partition("/")
+    host, port = hostport.rsplit(":", 1)
+    moved = str(int(port) + by)
+    return moved, f"{scheme}{sep}{host}:{moved}{slash}{path}"
 
 
 class LocalCluster:
@@ -173,6 +182,12 @@ class LocalCluster:
     def coordinator(self) -> str:
         """The coordinator's address."""
         return next(p.health_address for p in self.plan if p.name == "coordinator")
+
+    @property
+    def gateway(self) -> str:
+        """The HTTP gateway's base URL ("" without one)."""
+        health = next((p.health_address for p in self.plan if p.name == "gateway"), "")
+        return health.rsplit("/", 1)[0] if health else ""
 
     def start(self, timeout_s: float = 180.0) -> None:
         """Start every process at once (stages load and compile side by side; each registers
@@ -329,7 +344,7 @@ def _write_token(fd: int) -> None:
 
 
 def _is_stage(proc: LocalProcess) -> bool:
-    return "serve" in proc.argv and proc.argv[-1] != "coordinator"
+    return "serve" in proc.argv and proc.argv[-1] in ("ar-encoder", "dit-denoise", "vae-decode")
 
 
 def free_port() -> int:

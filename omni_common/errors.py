@@ -104,7 +104,18 @@ def error_for_status(code: grpc.StatusCode, message: str) -> OmniError:
 
 
 def error_from_rpc(err: grpc.RpcError) -> OmniError:
-    """Turn a failed call (sync or asyncio) into the typed error of its status."""
+    """Turn a failed call (sync or asyncio) into the typed error of its status; a
+    RESOURCE_EXHAUSTED keeps the server's `retry-after-ms` hint (see `abort`)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(details or code.name, retry_after_ms=_retry_after_ms(err))
     return error_for_status(code, details or code.name)
+
+
+def _retry_after_ms(err: grpc.RpcError) -> int | None:
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == "retry-after-ms" and str(value).isdigit():
+            return int(value)
+    return None

@@ -1,6 +1,10 @@
-"""Health probe of any omnistage service (grpc.health.v1), used by the launcher and compose."""
+"""Health probe of any omnistage service, used by the launcher and compose: grpc.health.v1
+for the gRPC services, GET of an http:// URL (200 = healthy) for the HTTP gateway."""
 
 from __future__ import annotations
+
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -10,8 +14,14 @@ from omni_common.runtime.tls import TlsSettings
 
 
 def check_health(address: str, timeout_s: float = 2.0, tls: TlsSettings | None = None) -> bool:
-    """True when the service at `address` answers SERVING (over TLS as `tls` says; default:
-    this process's OMNISTAGE_TLS_CA)."""
+    """True when the service at `address` ("host:port", or an http:// URL) answers SERVING
+    (gRPC over TLS as `tls` says; default: this process's OMNISTAGE_TLS_CA)."""
+    if address.startswith("http://"):
+        try:
+            with urllib.request.urlopen(address, timeout=timeout_s) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
     with sync_channel(address, tls=tls) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up, start the local cluster (docker-compose.yml's services as local processes),
-# generate one image, save it, print its path, stop the cluster.
+# generate one image, save it, print its path, stop the cluster (KEEP=1: keep it up for the
+# page at http://127.0.0.1:8000/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -16,3 +17,8 @@ trap 'kill -INT $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
 # The default model (models/qwen-image-digits) draws 32x32 digits; ask for others by name.
 .venv/bin/omnistage generate "$PROMPT" -o "$OUT" --width 32 --height 32 --steps 20 \
   --guidance 1 --seed "${SEED:-0}" --wait-ready 300 --ca-cert "${OMNISTAGE_SECRETS:-.secrets}/tls/ca.pem"
+# KEEP=1: leave the cluster up and try more prompts on the gateway's page (Ctrl-C stops it).
+if [ "${KEEP:-0}" = 1 ]; then
+  echo "try it in a browser: http://127.0.0.1:8000/  (Ctrl-C stops the cluster)"
+  wait $CLUSTER
+fi

@@ -42,4 +42,11 @@ if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) \
     >/dev/null 2>&1 || echo "note: docker-compose could not be installed; its check will be skipped"
 fi
+# Debian's chromium: the browser that tests the gateway's try-it page in CI (Playwright, a
+# test dependency, drives it; its own browser download is never used).
+if [ "${CI:-}" = true ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+    >/dev/null 2>&1 || echo "note: chromium could not be installed; the browser test will be skipped"
+fi
 echo "omnistage is set up in .venv"

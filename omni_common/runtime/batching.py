@@ -16,9 +16,10 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
+from omni_common.runtime import tracing
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
@@ -31,6 +32,11 @@ class _Pending(Generic[I, O]):
     future: asyncio.Future[O]
     deadline: float | None
     label: str
+    waiting: Any = tracing.NO_SPAN  # the request's wait in the queue (tracing.start)
+
+    def end_wait(self) -> None:
+        self.waiting.end()
+        self.waiting = tracing.NO_SPAN
 
 
 class MicroBatcher(Generic[I, O]):
@@ -72,9 +78,16 @@ class MicroBatcher(Generic[I, O]):
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop())
         future: asyncio.Future[O] = asyncio.get_running_loop().create_future()
-        self.queue.append(_Pending(item, future, deadline, label))
+        waiting = tracing.start(
+            "queue wait", attributes={"omnistage.queue": self.name, "omnistage.queued": len(self.queue)}
+        )
+        pending = _Pending(item, future, deadline, label, waiting)
+        self.queue.append(pending)
         self._wake.set()
-        return await future
+        try:
+            return await future
+        finally:
+            pending.end_wait()  # left the queue without a batch (cancelled, deadline)
 
     def close(self) -> None:
         if self._task is not None:
@@ -109,6 +122,7 @@ class MicroBatcher(Generic[I, O]):
                 )
                 continue
             batch.append(pending)
+            pending.end_wait()
             cost += self.cost(pending.item)
         return batch
 

@@ -13,7 +13,13 @@ STAGES = ("ar-encoder", "dit-denoise", "vae-decode")
 # coordinator and every stage): none = all resident; swap = the coordinator sleeps and wakes
 # whole stages around their calls; layerwise = the DiT streams its blocks through the device.
 OFFLOAD_POLICIES = ("none", "swap", "layerwise")
-DEFAULT_PORTS = {"coordinator": 50051, "ar-encoder": 50061, "dit-denoise": 50062, "vae-decode": 50063}
+DEFAULT_PORTS = {
+    "coordinator": 50051,
+    "ar-encoder": 50061,
+    "dit-denoise": 50062,
+    "vae-decode": 50063,
+    "gateway": 8000,  # HTTP (the OpenAI-compatible gateway), not gRPC
+}
 
 
 def env(name: str, default: str) -> str:
@@ -367,4 +373,62 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         advertise_host=args.advertise_host,
         step_cache_bytes=args.step_cache_bytes,
         step_cache_ttl_s=args.step_cache_ttl,
+    )
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of the HTTP gateway (services/gateway): where it listens, the coordinator it
+    translates to, and how long one request may take there."""
+
+    coordinator: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORTS["gateway"]
+    # The deadline of every Generate call (the coordinator passes it on to each stage): past
+    # it the client gets 504.
+    request_timeout_s: float = 600.0
+    # The most images one POST /v1/images/generations may ask for (`n`).
+    max_images: int = 10
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=env("HOST", "127.0.0.1"), help="interface to bind")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(env("PORT", str(DEFAULT_PORTS["gateway"]))),
+        help="HTTP port (0 = any)",
+    )
+    parser.add_argument(
+        "--coordinator", default=env("COORDINATOR", "127.0.0.1:50051"), help="the coordinator's gRPC address"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=float(env("REQUEST_TIMEOUT_S", "600")),
+        help="seconds one generation may take before the client gets 504",
+    )
+    parser.add_argument(
+        "--max-images",
+        type=int,
+        default=int(env("MAX_IMAGES", "10")),
+        help="the most images one request may ask for (n)",
+    )
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    if args.request_timeout <= 0:
+        raise SystemExit("--request-timeout must be positive")
+    if args.max_images < 1:
+        raise SystemExit("--max-images must be at least 1")
+    return GatewayConfig(
+        coordinator=args.coordinator,
+        host=args.host,
+        port=args.port,
+        request_timeout_s=args.request_timeout,
+        max_images=args.max_images,
     )

@@ -14,12 +14,22 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from omni_common.runtime.config import STAGES
-from omni_common.runtime.step_scheduler import StepTotals
+
+if TYPE_CHECKING:  # (the step scheduler brings torch, which a service without a model lacks)
+    from omni_common.runtime.step_scheduler import StepTotals
 
 # A scraper that sends no complete request head in this time is dropped.
 READ_TIMEOUT_S = 5.0
@@ -121,6 +131,40 @@ class CoordinatorMetrics:
         for stage in STAGES:
             healthy.labels(stage=stage).set_function(functools.partial(_count, replicas, stage))
         self.requests = RequestOutcomes(self.registry, "omnistage_coordinator", "completed", {})
+
+
+class GatewayMetrics:
+    """Metrics of the HTTP gateway, served at its own GET /metrics: requests by route and
+    HTTP status, their duration (a stream's until its last event), requests in flight."""
+
+    def __init__(self, in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        Gauge(
+            "omnistage_gateway_requests_in_flight",
+            "Generation requests being served (streams until their last event)",
+            registry=self.registry,
+        ).set_function(in_flight)
+        self._requests = Counter(
+            "omnistage_gateway_requests",
+            "HTTP requests answered, by route and HTTP status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self._seconds = Histogram(
+            "omnistage_gateway_request_seconds",
+            "Time from a request's arrival to its response's end, by route",
+            ["route"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+
+    def answered(self, route: str, status: int, seconds: float) -> None:
+        self._requests.labels(route=route, status=str(status)).inc()
+        self._seconds.labels(route=route).observe(seconds)
+
+    def text(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 def _step_total(steps: Callable[[], Mapping[str, StepTotals]], role: str, attr: str) -> float:

@@ -9,6 +9,7 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
+from omni_common.runtime import tracing
 from omni_common.runtime.tls import TlsSettings, channel_credentials, channel_name_options, client_settings
 
 # Bulk tensors never travel in one message: they go by handle, or chunked (CHUNK_BYTES).
@@ -106,12 +107,13 @@ def aio_channel(
     against `tls` (default: this process's OMNISTAGE_TLS_CA), plaintext without a CA."""
     tls = tls or client_settings()
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
-    interceptors = [kind(metadata) for kind in kinds] if metadata else None
+    interceptors = [kind(metadata) for kind in kinds] if metadata else []
+    interceptors += tracing.client_interceptors()  # the caller's trace context; none when off
     options = [*channel_options(keepalive_ms), *channel_name_options(tls)]
     credentials = channel_credentials(tls)
     if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors or None)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors or None)
 
 
 def sync_channel(address: str, metadata: Metadata = (), tls: TlsSettings | None = None) -> grpc.Channel:
@@ -193,4 +195,7 @@ def aio_server(
 ) -> grpc.aio.Server:
     """An asyncio server with our limits (no thread pool: handlers are coroutines); malformed
     requests are refused cleanly (DecodeGuard), after `interceptors` (access control)."""
-    return grpc.aio.server(options=server_options(keepalive_ms), interceptors=(*interceptors, DecodeGuard()))
+    traced = tracing.server_interceptors()  # a span per traced call; none when tracing is off
+    return grpc.aio.server(
+        options=server_options(keepalive_ms), interceptors=(*traced, *interceptors, DecodeGuard())
+    )

@@ -17,8 +17,10 @@ import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from omni_common.runtime.auth import AuthInterceptor, api_keys, cluster_tokens, describe
@@ -62,6 +64,7 @@ async def serve(
     """
     tokens, keys = cluster_tokens(), api_keys()
     server = aio_server(interceptors=(AuthInterceptor(tokens, keys),))
+    served = _recording_services(server)
     health_servicer = health_servicer or health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port, transport_security = bind(server, bind_address, name, tls_settings())
@@ -78,6 +81,8 @@ async def serve(
             raise SystemExit(f"{name}: cannot serve metrics on {host}:{metrics_port}: {reason}") from err
         log.info("%s metrics at http://%s:%d/metrics", name, host, metrics_port)
     await setup(server, address)
+    # grpcurl and friends list and call every service without the .proto files.
+    reflection.enable_server_reflection((*served, reflection.SERVICE_NAME), server)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     access = describe(tokens, keys)
@@ -107,6 +112,19 @@ async def serve(
             await metrics_server.wait_closed()
         on_stop()
         log.info("%s stopped", name)
+
+
+def _recording_services(server: grpc.aio.Server) -> list[str]:
+    """The names of the services registered on `server` from now on (what reflection lists)."""
+    names: list[str] = []
+    register = server.add_registered_method_handlers
+
+    def recording(service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        names.append(service_name)
+        register(service_name, handlers)
+
+    server.add_registered_method_handlers = recording
+    return names
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

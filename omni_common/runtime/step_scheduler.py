@@ -44,6 +44,7 @@ import torch
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.imaging import to_png
 from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
+from omni_common.runtime import tracing
 from omni_common.runtime.calls import Progress, StageCall
 
 log = logging.getLogger("omnistage.steps")
@@ -71,6 +72,11 @@ class Job:
     last_step: float = 0.0  # time.monotonic() of its last step; 0 before the first
     finishing: bool = False  # its last launched step finished it: never step it again
     admitted: float = field(default_factory=time.monotonic)
+    waiting: Any = tracing.NO_SPAN  # its wait for its first step (tracing.start)
+
+    def end_wait(self) -> None:
+        self.waiting.end()
+        self.waiting = tracing.NO_SPAN
 
 
 @dataclass(eq=False)
@@ -177,6 +183,9 @@ class StepScheduler:
             self._admitting -= 1
             self._wake.set()
         job = Job(call, state, self.runner.step_cost(state))
+        job.waiting = tracing.start(
+            "queue wait", attributes={"omnistage.queue": self.name, "omnistage.queued": len(self.jobs)}
+        )
         self.jobs.append(job)
         if call.inbox is not None:
             job.pump = asyncio.create_task(self._pump(job))
@@ -191,6 +200,7 @@ class StepScheduler:
                     return
         finally:
             job.gone = True
+            job.end_wait()  # (gone before its first step)
             if job.pump is not None:
                 job.pump.cancel()
             self._wake.set()
@@ -342,6 +352,8 @@ class StepScheduler:
     async def _launch(self, batch: list[Job]) -> Launched | None:
         """Launch one step for `batch`; a step that fails is retried job by job, so one bad
         request fails alone. None when no job stepped."""
+        for job in batch:
+            job.end_wait()
         try:
             return await self.compute(self._advance, batch)
         except Exception:

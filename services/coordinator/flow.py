@@ -37,6 +37,7 @@ import torch
 from omni_common.audio import encode_audio
 from omni_common.errors import DeadlineExceeded, NotFound, OmniError, Unavailable, error_from_rpc
 from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
+from omni_common.runtime import tracing
 from omni_common.runtime.rpc import CHUNK_BYTES
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
@@ -215,10 +216,11 @@ class RequestFlow:
             stage=step.stage, role=step.role, step=step.name, max_wait_ms=round(self.replica_wait_s * 1e3)
         )
         await req.emit(cpb.GenerateEvent(waiting=waiting))
-        while time.monotonic() < until:
-            await asyncio.sleep(REPLICA_POLL_S)
-            if self.pool.serving(step.stage, model, step.role):
-                return self.pool.pick(step.stage, model, role=step.role, near_host=near)
+        with tracing.span(f"wait for a {step.stage} replica", **{"omnistage.step": step.name}):
+            while time.monotonic() < until:
+                await asyncio.sleep(REPLICA_POLL_S)
+                if self.pool.serving(step.stage, model, step.role):
+                    return self.pool.pick(step.stage, model, role=step.role, near_host=near)
         req.timeout(self.stage_timeout_s)  # DEADLINE_EXCEEDED when that is what ended the wait
         raise Unavailable(
             f"request {req.request_id}: no healthy {step.stage} replica for {step.name} "
@@ -237,6 +239,24 @@ class RequestFlow:
     ) -> tensor_pb2.StageState:
         """Run one stage call; returns its output handles (their leases are booked in req.leases).
         With `stream_in`, `inputs` holds its first chunk and a feeder sends the rest."""
+        where = {
+            "omnistage.stage": replica.stage,
+            "omnistage.replica": replica.address,
+            "omnistage.role": step.role,
+        }
+        with tracing.span(f"step {step.name}", kind="client", **where):
+            return await self._call_stage(req, step, replica, inputs, consumer, outputs, stream_in)
+
+    async def _call_stage(
+        self,
+        req: _Request,
+        step: PlanStep,
+        replica: Replica,
+        inputs: tensor_pb2.StageState,
+        consumer: Consumer,
+        outputs: list[str],
+        stream_in: Stream | None = None,
+    ) -> tensor_pb2.StageState:
         request = stage_pb2.StageRequest(
             request_id=req.request_id,
             params=req.params,

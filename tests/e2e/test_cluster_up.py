@@ -3,6 +3,7 @@ Ctrl-C leaves no process and no shared-memory segment behind."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from omni_common.client import Client
@@ -70,10 +72,11 @@ def test_cluster_up_serves_the_default_model_scaled_over_tls_and_ctrl_c_leaves_n
             if "cluster ready" in line or launcher.poll() is not None:
                 break
         assert "cluster ready" in lines[-1], "".join(lines)
+        assert "try it at http://127.0.0.1:8000/" in lines[-1]
         ca = REPO / ".secrets" / "tls" / "ca.pem"  # made by cluster up: every hop is TLS
-        assert "TLS" in (tmp_path / "logs" / "coordinator.log").read_text()
+        assert "; TLS;" in (tmp_path / "logs" / "coordinator.log").read_text()
         services = children_of(launcher.pid)
-        assert len(services) == 5  # coordinator, encoder, two DiT replicas, VAE
+        assert len(services) == 6  # coordinator, encoder, two DiT replicas, VAE, gateway
 
         out = tmp_path / "seven.png"
         args = [
@@ -103,6 +106,12 @@ def test_cluster_up_serves_the_default_model_scaled_over_tls_and_ctrl_c_leaves_n
             (model,) = client.list_models()
             assert model.name == "qwen-image-digits"
             assert dict(model.replicas) == {"ar-encoder": 1, "dit-denoise": 2, "vae-decode": 1}
+        # The gateway process serves the same image over HTTP (OpenAI's API).
+        body = {"prompt": "a handwritten digit seven", "size": "32x32", "num_inference_steps": 20}
+        body |= {"guidance_scale": 1, "seed": 0}
+        response = httpx.post("http://127.0.0.1:8000/v1/images/generations", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert base64.b64decode(response.json()["data"][0]["b64_json"]) == out.read_bytes()
     finally:
         launcher.send_signal(signal.SIGINT)
         launcher.wait(90)

@@ -117,3 +117,32 @@ def scrape(port: int) -> Samples:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+class InProcessGateway:
+    """The HTTP gateway (services/gateway) on a cluster's event loop, on a free loopback port."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, coordinator: str, **options: object) -> None:
+        from omni_common.runtime.config import GatewayConfig
+        from services.gateway.server import serve_gateway
+
+        self.loop = loop
+        self.url = ""
+        started = threading.Event()
+        self._stop = asyncio.Event()
+
+        def mark(url: str) -> None:
+            self.url = url
+            started.set()
+
+        config = GatewayConfig(coordinator=coordinator, port=0, **options)  # type: ignore[arg-type]
+        self._task = asyncio.run_coroutine_threadsafe(
+            serve_gateway(config, ready=mark, stop=self._stop, grace_s=5.0), loop
+        )
+        while not started.wait(0.1):
+            if self._task.done():
+                self._task.result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._task.result(30)

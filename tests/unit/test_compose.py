@@ -25,13 +25,19 @@ def test_docker_compose_accepts_the_file() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_compose_declares_the_coordinator_and_one_service_per_stage() -> None:
+def test_compose_declares_the_coordinator_one_service_per_stage_and_the_gateway() -> None:
     doc = yaml.safe_load(COMPOSE.read_text())
-    assert set(doc["services"]) == {"coordinator", "ar-encoder", "dit-denoise", "vae-decode"}
+    assert set(doc["services"]) == {"coordinator", "ar-encoder", "dit-denoise", "vae-decode", "gateway"}
     for name, body in doc["services"].items():
-        assert body["ipc"] == "host", f"{name} must share /dev/shm with the other stages"
+        if name != "gateway":  # the gateway holds no tensors
+            assert body["ipc"] == "host", f"{name} must share /dev/shm with the other stages"
         assert body["healthcheck"]["test"][:3] == ["CMD", "omnistage", "health"]
         assert body["command"][:2] == ["omnistage", "serve"] and body["command"][2] == name
+    # The gateway is probed over HTTP, on the port it serves.
+    gateway = doc["services"]["gateway"]
+    port = gateway["environment"]["OMNISTAGE_PORT"]
+    assert gateway["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
+    assert gateway["environment"]["OMNISTAGE_COORDINATOR"] == "coordinator:50051"
 
 
 def test_launcher_runs_exactly_the_declared_commands_and_environment() -> None:
@@ -39,7 +45,8 @@ def test_launcher_runs_exactly_the_declared_commands_and_environment() -> None:
     specs = load_compose(COMPOSE, env)
     plan = local_plan(specs, REPO)
     doc = yaml.safe_load(COMPOSE.read_text())
-    assert [p.name for p in plan][-1] == "coordinator", "stages start before the coordinator"
+    names = [p.name for p in plan]
+    assert names[-2:] == ["coordinator", "gateway"], "stages start before the coordinator, the gateway after"
     assert {p.name for p in plan} == set(doc["services"])
     for process in plan:
         declared = doc["services"][process.name]
@@ -67,3 +74,11 @@ def test_interpolation_follows_compose_rules() -> None:
     assert interpolate("${A:-x}/${B}", {"A": "a"}) == "a/"
     assert interpolate("${A:-x}", {}) == "x"
     assert interpolate("${A:-x}", {"A": ""}) == "x"
+
+
+def test_a_scaled_gateway_replica_moves_its_http_health_url_with_its_port() -> None:
+    plan = local_plan(load_compose(COMPOSE, {}), REPO, {"gateway": 2})
+    first, second = (p for p in plan if p.name.startswith("gateway"))
+    assert first.health_address == "http://127.0.0.1:8000/health"
+    assert second.health_address == "http://127.0.0.1:8100/health"
+    assert second.environment["OMNISTAGE_PORT"] == "8100"

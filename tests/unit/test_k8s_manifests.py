@@ -202,3 +202,29 @@ def test_termination_grace_outlasts_the_drain_as_in_compose(name: str) -> None:
     compose_grace = COMPOSE_DOC["services"][name]["stop_grace_period"]
     assert f"{grace}s" == compose_grace
     assert grace > DRAIN_GRACE_S + 5, "the drain needs time to stop the server and free shared memory"
+
+
+def test_the_gateway_runs_the_compose_service_behind_an_http_probe() -> None:
+    declared = COMPOSE_DOC["services"]["gateway"]
+    running = container("gateway")
+    assert running["image"] == declared["image"] and running["command"] == declared["command"]
+    env = env_of("gateway")
+    assert set(env) == set(declared["environment"])
+    for key, value in declared["environment"].items():
+        assert env[key].get("value") == interpolate(str(value), {}), f"gateway: {key}"
+    # It reaches the coordinator through the coordinator's Service, on its gRPC port.
+    host, port = env["OMNISTAGE_COORDINATOR"]["value"].split(":")
+    assert int(port) in {p["port"] for p in find("Service", host)["spec"]["ports"]}
+    # Probed where compose probes it: GET /health on the HTTP port.
+    health_url = declared["healthcheck"]["test"][-1]
+    http_port = int(env["OMNISTAGE_PORT"]["value"])
+    assert health_url == f"http://127.0.0.1:{http_port}/health"
+    assert {"name": "http", "containerPort": http_port} in running["ports"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert running[probe]["httpGet"] == {"path": "/health", "port": http_port}, probe
+    assert {p["name"]: p["port"] for p in find("Service", "gateway")["spec"]["ports"]} == {"http": http_port}
+    annotations = find("Deployment", "gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == http_port  # served beside the API
+    grace = find("Deployment", "gateway")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert f"{grace}s" == declared["stop_grace_period"] and grace > DRAIN_GRACE_S + 5

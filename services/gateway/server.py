@@ -1,0 +1,103 @@
+"""The gateway's process: the ASGI app (app.py) on uvicorn, with the services' conventions
+(omni_common.runtime.serve): bind (port 0 works), say "gateway ready on ...", and on
+SIGTERM/SIGINT drain: /health turns 503, new generations get 503, open ones get
+DRAIN_GRACE_S to finish, then the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+
+import uvicorn
+
+from omni_common.runtime.config import GatewayConfig
+from omni_common.runtime.serve import DRAIN_GRACE_S, run
+from services.gateway.app import GatewayState, build_app
+
+log = logging.getLogger("omnistage.gateway")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its own signal handlers (they stop at once): ours drain first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(address: str) -> socket.socket:
+    """A listening TCP socket on "host:port" (port 0: any free one)."""
+    host, port = address.rsplit(":", 1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), int(port)))
+    except OSError as err:
+        sock.close()
+        raise SystemExit(f"gateway: cannot bind {address}: {err.strerror}") from err
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_gateway(
+    config: GatewayConfig,
+    *,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+    grace_s: float = DRAIN_GRACE_S,
+) -> None:
+    """Serve the gateway until a signal or `stop`; `ready(url)` once it accepts requests."""
+    app = build_app(config)
+    state: GatewayState = app.state.gateway
+    sock = bind(config.bind_address)
+    host, port = sock.getsockname()[:2]
+    server = _Server(
+        uvicorn.Config(
+            app,
+            log_config=None,  # the process's logging (setup_logging) stays
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=int(grace_s),
+        )
+    )
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if serving.done():
+            serving.result()  # the start-up error
+            raise SystemExit("gateway: the server stopped while starting")
+        await asyncio.sleep(0.01)
+    url = f"http://{host}:{port}"
+    log.info("gateway listening on %s (pid %d), coordinator %s", url, os.getpid(), config.coordinator)
+    print(f"gateway ready on {host}:{port}", flush=True)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready(url)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        log.info("gateway draining (grace %.0f s)", grace_s)
+        state.draining = True
+        deadline = loop.time() + grace_s
+        while state.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        server.should_exit = True
+        await asyncio.gather(serving, return_exceptions=True)
+        sock.close()
+        log.info("gateway stopped")
+
+
+def main(config: GatewayConfig) -> None:
+    run(serve_gateway(config))
