@@ -1,5 +1,5 @@
 """Health probe of any omnistage service, used by the launcher and compose: grpc.health.v1
-for the gRPC services, GET of an http:// URL (200 = healthy) for the HTTP gateway."""
+for the gRPC services, GET of an http(s):// URL (200 = healthy) for the HTTP gateway."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.runtime.rpc import sync_channel
-from omni_common.runtime.tls import TlsSettings
+from omni_common.runtime.tls import TlsSettings, client_settings, https_context
 
 
 def check_health(address: str, timeout_s: float = 2.0, tls: TlsSettings | None = None) -> bool:
-    """True when the service at `address` ("host:port", or an http:// URL) answers SERVING
+    """True when the service at `address` ("host:port", or an http(s):// URL) answers SERVING
     (gRPC over TLS as `tls` says; default: this process's OMNISTAGE_TLS_CA)."""
-    if address.startswith("http://"):
+    if address.startswith(("http://", "https://")):
+        context = https_context(tls or client_settings()) if address.startswith("https://") else None
         try:
-            with urllib.request.urlopen(address, timeout=timeout_s) as response:
+            with urllib.request.urlopen(address, timeout=timeout_s, context=context) as response:
                 return bool(response.status == 200)
         except (OSError, urllib.error.URLError):
             return False

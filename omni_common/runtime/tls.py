@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def plaintext_allowed(address: str, name: str) -> str:
+    """What a service's log line says about serving plaintext on `address`; SystemExit where it
+    may not: off loopback without OMNISTAGE_ALLOW_PLAINTEXT=1."""
+    host = address.rsplit(":", 1)[0]
+    if is_loopback(host):
+        return "PLAINTEXT (loopback only; set OMNISTAGE_TLS_CERT/KEY for TLS)"
+    if os.environ.get("OMNISTAGE_ALLOW_PLAINTEXT", "") in ("1", "true", "yes"):
+        return "PLAINTEXT (OMNISTAGE_ALLOW_PLAINTEXT; set OMNISTAGE_TLS_CERT/KEY for TLS)"
+    raise SystemExit(
+        f"{name}: refusing plaintext on {address}, which others on the network can reach: set "
+        "OMNISTAGE_TLS_CERT and OMNISTAGE_TLS_KEY (`omnistage certs DIR` makes them), or "
+        "OMNISTAGE_ALLOW_PLAINTEXT=1 on a network you trust"
+    )
+
+
 def bind(server: grpc.aio.Server, address: str, name: str, settings: TlsSettings) -> tuple[int, str]:
     """Bind `server` to `address` with TLS when this process has a certificate; plaintext on
     loopback, or elsewhere only when OMNISTAGE_ALLOW_PLAINTEXT=1. Returns the port and what the
@@ -104,12 +120,12 @@ def bind(server: grpc.aio.Server, address: str, name: str, settings: TlsSettings
         assert settings.cert is not None and settings.key is not None
         credentials = grpc.ssl_server_credentials([(settings.key, settings.cert)])
         return server.add_secure_port(address, credentials), "TLS"
-    host = address.rsplit(":", 1)[0]
-    if not is_loopback(host) and os.environ.get("OMNISTAGE_ALLOW_PLAINTEXT", "") not in ("1", "true", "yes"):
-        raise SystemExit(
-            f"{name}: refusing plaintext gRPC on {address}, which others on the network can reach: set "
-            "OMNISTAGE_TLS_CERT and OMNISTAGE_TLS_KEY (`omnistage certs DIR` makes them), or "
-            "OMNISTAGE_ALLOW_PLAINTEXT=1 on a network you trust"
-        )
-    where = "loopback only" if is_loopback(host) else "OMNISTAGE_ALLOW_PLAINTEXT"
-    return server.add_insecure_port(address), f"PLAINTEXT ({where}; set OMNISTAGE_TLS_CERT/KEY for TLS)"
+    said = plaintext_allowed(address, name)
+    return server.add_insecure_port(address), said
+
+
+def https_context(settings: TlsSettings) -> ssl.SSLContext | None:
+    """A client context that verifies an HTTPS server against `settings.ca`; None without one."""
+    if settings.ca is None:
+        return None
+    return ssl.create_default_context(cadata=settings.ca.decode())

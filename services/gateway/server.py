@@ -17,6 +17,7 @@ import uvicorn
 
 from omni_common.runtime.config import GatewayConfig
 from omni_common.runtime.serve import DRAIN_GRACE_S, run
+from omni_common.runtime.tls import plaintext_allowed, tls_settings
 from services.gateway.app import GatewayState, build_app
 
 log = logging.getLogger("omnistage.gateway")
@@ -56,6 +57,11 @@ async def serve_gateway(
     """Serve the gateway until a signal or `stop`; `ready(url)` once it accepts requests."""
     app = build_app(config)
     state: GatewayState = app.state.gateway
+    # HTTPS with the service's certificate (omni_common.runtime.tls), as every gRPC port.
+    tls = tls_settings()
+    said = "TLS" if tls.serves_tls else plaintext_allowed(config.bind_address, "gateway")
+    cert = os.environ["OMNISTAGE_TLS_CERT"] if tls.serves_tls else None
+    key = os.environ["OMNISTAGE_TLS_KEY"] if tls.serves_tls else None
     sock = bind(config.bind_address)
     host, port = sock.getsockname()[:2]
     server = _Server(
@@ -65,6 +71,8 @@ async def serve_gateway(
             access_log=False,
             lifespan="on",
             timeout_graceful_shutdown=int(grace_s),
+            ssl_certfile=cert,
+            ssl_keyfile=key,
         )
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -73,8 +81,10 @@ async def serve_gateway(
             serving.result()  # the start-up error
             raise SystemExit("gateway: the server stopped while starting")
         await asyncio.sleep(0.01)
-    url = f"http://{host}:{port}"
-    log.info("gateway listening on %s (pid %d), coordinator %s", url, os.getpid(), config.coordinator)
+    url = f"{'https' if tls.serves_tls else 'http'}://{host}:{port}"
+    log.info(
+        "gateway listening on %s (pid %d), coordinator %s; %s", url, os.getpid(), config.coordinator, said
+    )
     print(f"gateway ready on {host}:{port}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -4,12 +4,14 @@ cluster's CA (plaintext, another CA, another name) gets nothing."""
 
 from __future__ import annotations
 
+import base64
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import grpc.aio
+import httpx
 import numpy as np
 import pytest
 from cryptography import x509
@@ -19,9 +21,9 @@ from omni_common.cli import main as cli
 from omni_common.client import Client
 from omni_common.errors import OmniError
 from omni_common.health import check_health
-from omni_common.runtime.tls import CLUSTER_NAME, TlsSettings, bind
+from omni_common.runtime.tls import CLUSTER_NAME, TlsSettings, bind, https_context
 
-from .conftest import InProcessCluster
+from .conftest import InProcessCluster, InProcessGateway
 
 REQUEST = {"prompt": "over tls", "seed": 5, "width": 64, "height": 64, "steps": 3, "return_tensor": True}
 
@@ -118,3 +120,24 @@ def test_plaintext_is_refused_off_loopback_unless_allowed(
     if host == "0.0.0.0":  # bindable here
         port, said = bind(server, f"{host}:0", "test", TlsSettings())
         assert port > 0 and said.startswith("PLAINTEXT")
+
+
+def test_the_gateway_serves_https_and_reaches_the_coordinator_over_tls(
+    clusters: tuple[InProcessCluster, np.ndarray], certs: Path
+) -> None:
+    secured, _ = clusters
+    gateway = InProcessGateway(secured.loop, secured.coordinator)
+    try:
+        assert gateway.url.startswith("https://")
+        ca = TlsSettings(ca=(certs / "ca.pem").read_bytes())
+        assert check_health(f"{gateway.url}/health", tls=ca)
+        assert not check_health(f"{gateway.url}/health".replace("https://", "http://"))
+        body = {"prompt": "over https", "size": "64x64", "num_inference_steps": 2, "seed": 1}
+        context = https_context(ca)
+        assert context is not None
+        response = httpx.post(f"{gateway.url}/v1/images/generations", json=body, verify=context, timeout=60)
+        assert response.status_code == 200, response.text
+        png = base64.b64decode(response.json()["data"][0]["b64_json"])
+        assert png.startswith(b"\x89PNG")
+    finally:
+        gateway.stop()
