@@ -331,14 +331,14 @@ class Worker:
             raise FailedPrecondition(
                 "layerwise offload keeps the blocks in host memory; LoadWeights needs them resident"
             )
-        tensors = await asyncio.to_thread(read_weights, paths)
         modules = self.modules.by_role.get(STAGE_ROLES[self.stage], [])
         if not modules:
             raise Unimplemented(f"this {self.stage} replica declares no weights to load")
-        pairs = await asyncio.to_thread(planned_copies, modules, tensors)
+        self._check_awake()
+        tensors = await asyncio.to_thread(read_weights, paths)
         async with self._memory_lock:
-            if not self.sleeper.awake:
-                raise FailedPrecondition(f"{self.stage} is asleep; wake it before loading weights")
+            self._check_awake()  # shapes are checked against the weights on the device
+            pairs = await asyncio.to_thread(planned_copies, modules, tensors)
             done = await self.compute(copy_weights, pairs)
             self.sleeper.drop_host_copy()  # a level-1 sleep copies the new weights again
             self.pushed.append(tensors)
@@ -350,6 +350,10 @@ class Worker:
             done.seconds,
         )
         return done
+
+    def _check_awake(self) -> None:
+        if not self.sleeper.awake:
+            raise FailedPrecondition(f"{self.stage} is asleep; wake it before loading weights")
 
     async def start_profile(self, directory: str) -> Path:
         return await self.compute(self.profiler.start, directory)
