@@ -226,7 +226,7 @@ def _control(args: argparse.Namespace) -> int:
         stub = stage_pb2_grpc.StageControlStub(channel)
         try:
             if args.command == "profile":
-                started = stub.StartProfile(stage_pb2.StartProfileRequest(directory=args.dir), timeout=30)
+                started = stub.StartProfile(stage_pb2.StartProfileRequest(name=args.name), timeout=30)
                 print(f"profiling {args.address} into {started.path} for {args.seconds:g} s", file=sys.stderr)
                 time.sleep(args.seconds)
                 reply = stub.StopProfile(stage_pb2.StopProfileRequest(), timeout=300)
@@ -437,7 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("address")
     profile.add_argument("--seconds", type=float, default=10.0)
     profile.add_argument(
-        "--dir", default="", help="trace directory on the replica's machine (default: a temp dir)"
+        "--name",
+        default="",
+        help="subdirectory of the replica's --profile-dir for the trace (default: a new one)",
     )
     profile.set_defaults(func=_control)
 

@@ -60,9 +60,23 @@ def check_name(name: str) -> str:
     return name
 
 
+def local_path(text: str | Path, what: str) -> Path:
+    """A path a control call names on this machine, checked: NOT_FOUND when nothing is there,
+    INVALID_ARGUMENT for one the file system refuses (too long, a NUL byte), a directory or a
+    regular file otherwise (no devices, pipes or sockets)."""
+    path = Path(text)
+    try:
+        if not str(text) or not (path.is_file() or path.is_dir()):
+            raise NotFound(f"no {what} at {str(text)[:200]!r}")
+    except (OSError, ValueError):
+        raise InvalidArgument(f"{str(text)[:200]!r} is no usable path for a {what}") from None
+    return path
+
+
 def adapter_file(path: Path) -> Path:
     """The safetensors file of an adapter: the file itself, or in a directory PEFT's
     `pytorch_lora_weights.safetensors` or its only `*.safetensors`."""
+    path = local_path(path, "LoRA adapter file or directory")
     if path.is_file():
         return path
     if path.is_dir():
@@ -74,7 +88,7 @@ def adapter_file(path: Path) -> Path:
         raise InvalidArgument(
             f"adapter directory {path.name!r} holds {len(found)} .safetensors files; name one"
         )
-    raise NotFound(f"no adapter file or directory at {str(path)[:200]!r}")
+    raise NotFound(f"no adapter file or directory at {str(path)[:200]!r}")  # removed meanwhile
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -70,6 +70,8 @@ class StageConfig:
     lora_bytes: int = 1 << 30
     lora_dir: str = ""
     lora_batching: str = "mixed"
+    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles.
+    profile_dir: str = ""
 
     @property
     def bind_address(self) -> str:
@@ -277,6 +279,13 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "own adapters (mixed), or take one forward per adapter set (grouped)",
     )
 
+    parser.add_argument(
+        "--profile-dir",
+        default=env("PROFILE_DIR", ""),
+        help="where `omnistage profile` traces of this replica go (default: omnistage-profiles in "
+        "the system's temporary directory)",
+    )
+
 
 def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
     if not args.model:
@@ -316,6 +325,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         lora_bytes=args.lora_bytes,
         lora_dir=args.lora_dir,
         lora_batching=args.lora_batching,
+        profile_dir=args.profile_dir,
     )
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omni_common.errors import InvalidArgument, NotFound
-from omni_common.models.lora import read_safetensors
+from omni_common.errors import InvalidArgument
+from omni_common.models.lora import local_path, read_safetensors
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,14 @@ def weight_files(paths: Sequence[str]) -> list[Path]:
         raise InvalidArgument("LoadWeights names no files")
     files: list[Path] = []
     for text in paths:
-        path = Path(text)
+        path = local_path(text, "weights file or directory")
         if path.is_dir():
             found = sorted(path.glob("*.safetensors"))
             if not found:
                 raise InvalidArgument(f"directory {path.name!r} holds no .safetensors files")
             files.extend(found)
-        elif path.is_file():
-            files.append(path)
         else:
-            raise NotFound(f"no weights file or directory at {text[:200]!r}")
+            files.append(path)
     return files
 
 

@@ -50,7 +50,7 @@ class ControlledWorker(Protocol):
 
     async def load_weights(self, paths: Sequence[str]) -> WeightsLoaded: ...
 
-    async def start_profile(self, directory: str) -> Path: ...
+    async def start_profile(self, name: str) -> Path: ...
 
     async def stop_profile(self) -> tuple[Path, float]: ...
 
@@ -148,7 +148,7 @@ class StageControlServicer(stage_pb2_grpc.StageControlServicer):
     async def StartProfile(
         self, request: stage_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.ProfileReply:
-        path = await self._do("StartProfile", self.worker.start_profile(request.directory), context)
+        path = await self._do("StartProfile", self.worker.start_profile(request.name), context)
         return stage_pb2.ProfileReply(path=str(path))
 
     async def StopProfile(

@@ -97,7 +97,7 @@ class Worker:
         context = self.stage_context()
         self.model = self._load_model(context)
         self.pushed: list[dict[str, torch.Tensor]] = []  # LoadWeights' tensors, for a level-2 wake
-        self.profiler = StageProfiler(self.stage, self.device)
+        self.profiler = StageProfiler(self.stage, self.device, config.profile_dir)
         has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
         self.manage_memory(
             self.model,
@@ -355,8 +355,8 @@ class Worker:
         if not self.sleeper.awake:
             raise FailedPrecondition(f"{self.stage} is asleep; wake it before loading weights")
 
-    async def start_profile(self, directory: str) -> Path:
-        return await self.compute(self.profiler.start, directory)
+    async def start_profile(self, name: str) -> Path:
+        return await self.compute(self.profiler.start, name)
 
     async def stop_profile(self) -> tuple[Path, float]:
         return await self.compute(self.profiler.stop)

@@ -267,10 +267,10 @@ class LoadWeightsReply(_message.Message):
     def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StartProfileRequest(_message.Message):
-    __slots__ = ("directory",)
-    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
-    directory: str
-    def __init__(self, directory: _Optional[str] = ...) -> None: ...
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class StopProfileRequest(_message.Message):
     __slots__ = ()

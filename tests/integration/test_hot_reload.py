@@ -5,6 +5,9 @@ sleep of either level); bad pushes are refused and change nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from omni_common import cli
 from omni_common.client import Client
 from omni_common.runtime.rpc import sync_channel
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
@@ -168,24 +172,37 @@ def test_bad_pushes_are_refused_and_change_nothing(
     assert np.array_equal(generate(cluster, 1), before)
 
 
-def test_a_profile_of_the_dit_writes_a_chrome_trace(cluster: InProcessCluster, tmp_path: Path) -> None:
+def test_a_profile_of_the_dit_writes_a_chrome_trace(tiny_model: Path, tmp_path: Path) -> None:
+    cluster = InProcessCluster(tiny_model, stage_options={"dit-denoise": {"profile_dir": str(tmp_path)}})
+    cluster.start()
+    try:
+        trace = profile(cluster, tmp_path)
+    finally:
+        cluster.stop()
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("linear" in str(event.get("name", "")) for event in events)  # the DiT's forwards
+
+
+def profile(cluster: InProcessCluster, tmp_path: Path) -> Path:
+    """Refused calls, then `omnistage profile ADDRESS --seconds 1.5` while requests run; the
+    trace file the CLI prints."""
     with sync_channel(cluster.addresses["dit-denoise"]) as channel:
         control = stage_pb2_grpc.StageControlStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             control.StopProfile(stage_pb2.StopProfileRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        started = control.StartProfile(
-            stage_pb2.StartProfileRequest(directory=str(tmp_path / "trace")), timeout=10
-        )
-        assert started.path == str(tmp_path / "trace")
-        with pytest.raises(grpc.RpcError) as err:
-            control.StartProfile(stage_pb2.StartProfileRequest(), timeout=10)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        generate(cluster, 1)
-        stopped = control.StopProfile(stage_pb2.StopProfileRequest(), timeout=60)
-    trace = Path(stopped.path)
-    assert trace.parent == tmp_path / "trace" and stopped.seconds > 0
-    import json
-
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert any("linear" in str(event.get("name", "")) for event in events)  # the DiT's forwards
+        for name in ("../up", "/abs", "a/b"):
+            with pytest.raises(grpc.RpcError) as err:
+                control.StartProfile(stage_pb2.StartProfileRequest(name=name), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    output = io.StringIO()
+    argv = ["profile", cluster.addresses["dit-denoise"], "--seconds", "1.5", "--name", "trace"]
+    with ThreadPoolExecutor(1) as pool, contextlib.redirect_stdout(output):
+        done = pool.submit(cli.main, argv)
+        while not done.done():
+            generate(cluster, 1)
+        assert done.result() == 0
+    reply = json.loads(output.getvalue())
+    trace = Path(reply["path"])
+    assert trace.parent == tmp_path / "trace" and reply["seconds"] >= 1.5
+    return trace
