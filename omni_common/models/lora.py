@@ -179,6 +179,8 @@ class LoraLayers:
         self.adapters: dict[str, LoraAdapter] = {}
         self.names: tuple[str, ...] = ()  # snapshot for other threads (StageInfo)
         self._rows: list[RowAdapters] | None = None
+        # Rows of one forward grouped by adapter set (index tensors), None when all rows match.
+        self._groups: list[tuple[RowAdapters, torch.Tensor]] | None = None
         self._uses: dict[str, int] = {}  # adapted module path -> adapters using it
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
@@ -267,10 +269,17 @@ class LoraLayers:
         """Apply each row's adapters in the forwards inside (rows = the batch's dimension 0).
         A batch without any adapter is left alone (the hooks return at once)."""
         self._rows = list(rows) if any(rows) else None
+        self._groups = None
+        if self._rows is not None and any(row != rows[0] for row in rows):
+            by_set: dict[RowAdapters, list[int]] = {}
+            for i, row in enumerate(rows):
+                if row:
+                    by_set.setdefault(row, []).append(i)
+            self._groups = [(key, torch.tensor(idx, device=self.device)) for key, idx in by_set.items()]
         try:
             yield
         finally:
-            self._rows = None
+            self._rows, self._groups = None, None
 
     @property
     def active(self) -> bool:
@@ -411,36 +420,38 @@ class LoraLayers:
         return apply
 
     @staticmethod
-    def _delta(result: torch.Tensor, x: torch.Tensor, path: str, adapters: RowAdapters) -> torch.Tensor:
-        """PEFT's LoRA Linear forward after the base layer, adapter by adapter; the scaling is
-        PEFT's set_adapters weight x lora_alpha / r, computed in its order (the same float)."""
-        for adapter, weight in adapters:
-            weights = adapter.layers.get(path)
-            if weights is not None:
-                a, b = weights
-                rank = a.shape[0]
-                alpha = rank if adapter.lora_alpha is None else adapter.lora_alpha
-                scaling = weight * alpha / rank
-                result = result + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scaling
-        return result
+    def _delta(
+        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, weight: float
+    ) -> torch.Tensor:
+        """PEFT's LoRA term `lora_B(lora_A(x)) * scaling`, its scaling the set_adapters weight x
+        lora_alpha / r, computed in PEFT's order (the same float)."""
+        rank = a.shape[0]
+        alpha = rank if adapter.lora_alpha is None else adapter.lora_alpha
+        scaling = weight * alpha / rank
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scaling
 
     def _apply(
         self, path: str, x: torch.Tensor, result: torch.Tensor, rows: list[RowAdapters]
     ) -> torch.Tensor:
+        """The layer's output plus each row's adapters, adapter by adapter in the row's order:
+        `result + term` (PEFT's forward) when every row has the same adapters, else each
+        adapter set's terms added to its rows only (the same additions, element by element)."""
         if x.shape[0] != len(rows):
             raise ValueError(f"LoRA rows: {len(rows)} given for a batch of {x.shape[0]} at {path}")
-        first = rows[0]
-        if all(row == first for row in rows):
-            return self._delta(result, x, path, first)
-        groups: dict[RowAdapters, list[int]] = {}
-        for i, row in enumerate(rows):
-            if row:
-                groups.setdefault(row, []).append(i)
-        result = result.clone()
-        for adapters, indices in groups.items():
-            index = torch.tensor(indices, device=x.device)
-            part = self._delta(result.index_select(0, index), x.index_select(0, index), path, adapters)
-            result.index_copy_(0, index, part)
+        groups = self._groups
+        if groups is None:  # every row alike
+            for adapter, weight in rows[0]:
+                weights = adapter.layers.get(path)
+                if weights is not None:
+                    result = result + self._delta(x, *weights, adapter, weight)
+            return result
+        for adapters, index in groups:
+            part = x.index_select(0, index)
+            for adapter, weight in adapters:
+                weights = adapter.layers.get(path)
+                if weights is not None:
+                    # In place: the layer's fresh output; inference only (no autograd here).
+                    result.index_add_(0, index, self._delta(part, *weights, adapter, weight))
         return result
 
 
