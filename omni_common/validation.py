@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
 from omni_common.models.base import GenerationRequest, ImageInput, ModelCard, OptionSpec
+from omni_common.models.lora import NAME_PATTERN as LORA_NAME
 from omnistage.v1 import stage_pb2
 
 MAX_PROMPT_CHARS = 10_000
@@ -23,7 +24,6 @@ MAX_OPTIONS = 32
 MAX_OPTION_CHARS = 64
 MAX_LORAS = 8
 MAX_LORA_SCALE = 100.0
-LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 DEFAULT_SIDE = 1024
@@ -148,7 +148,7 @@ def check_loras(loras: Sequence[stage_pb2.LoraRef]) -> tuple[tuple[str, float | 
         raise InvalidArgument(f"{len(loras)} LoRA adapters named; the limit is {MAX_LORAS}")
     out: list[tuple[str, float | None]] = []
     for ref in loras:
-        if not LORA_NAME.match(ref.name):
+        if not LORA_NAME.fullmatch(ref.name):
             raise InvalidArgument(
                 f"LoRA name {ref.name[:80]!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
             )
