@@ -5,6 +5,9 @@ replica keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +19,10 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from omni_common import cli
 from omni_common.client import Client
 from omni_common.errors import InvalidArgument, NotFound
 from omni_common.models.lora import save_random_lora
@@ -195,3 +200,42 @@ def test_an_adapter_in_the_directory_loads_on_demand(cluster: InProcessCluster, 
     assert np.abs(image - generate(cluster)).max() > 1e-3
     assert "ondisk" in [i.name for i in control.ListLoras(stage_pb2.ListLorasRequest(), timeout=10).loras]
     assert np.array_equal(generate(cluster, loras=[("ondisk", 1.0)]), image)
+
+
+def test_the_command_line_adds_lists_and_uses_adapters(
+    cluster: InProcessCluster, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    dit = cluster.addresses["dit-denoise"]
+
+    def run(*argv: str) -> str:
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output):
+            assert cli.main(list(argv)) == 0
+        return output.getvalue()
+
+    added = json.loads(run("lora", "add", dit, "cli-a", str(adapters["a"]), "--scale", "0.7", "--pin"))
+    assert added["name"] == "cli-a" and added["pinned"]
+    listed = json.loads(run("lora", "list", dit))
+    assert "cli-a" in [item["name"] for item in listed["loras"]]
+    wait_for_routing(cluster, "cli-a")
+    out = tmp_path / "cli.png"
+    size = ["--width", "64", "--height", "64", "--steps", "3", "--seed", "3"]
+    run(
+        "generate",
+        "a lamp",
+        "-o",
+        str(out),
+        "--address",
+        cluster.coordinator,
+        "--lora",
+        "cli-a:0.7",
+        "--quiet",
+        *size,
+    )
+    with Client(cluster.coordinator) as client:
+        expected = client.generate("a lamp", width=64, height=64, steps=3, seed=3, loras=[("cli-a", 0.7)])
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(expected))
+    run("lora", "unpin", dit, "cli-a")
+    assert "cli-a" not in [
+        item.get("name") for item in json.loads(run("lora", "remove", dit, "cli-a")).get("loras", [])
+    ]
