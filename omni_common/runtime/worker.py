@@ -96,7 +96,9 @@ class Worker:
             use_compile_cache(Path(config.compile_cache))
         context = self.stage_context()
         self.model = self._load_model(context)
-        self.pushed: list[dict[str, torch.Tensor]] = []  # LoadWeights' tensors, for a level-2 wake
+        # The latest tensor LoadWeights gave each weight name (host memory, at most one model's
+        # worth), applied again when a level-2 wake reloads the model from its directory.
+        self.pushed: dict[str, torch.Tensor] = {}
         self.profiler = StageProfiler(self.stage, self.device, config.profile_dir)
         has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
         self.manage_memory(
@@ -159,12 +161,12 @@ class Worker:
         return model
 
     def _reload_model(self, context: StageContext) -> StageModel:
-        """The model as sleep level 2 wakes it: loaded again, then the weights LoadWeights put
-        in since the start, in order (they live in host memory until then)."""
+        """The model as sleep level 2 wakes it: loaded again from its directory, then the latest
+        weights LoadWeights put in (kept in host memory for this)."""
         model = self._load_model(context)
         modules = discover_modules(model, self.family.modules, STAGE_ROLES[self.stage])
-        for tensors in self.pushed:
-            copy_weights(planned_copies(modules.by_role[STAGE_ROLES[self.stage]], tensors))
+        if self.pushed:
+            copy_weights(planned_copies(modules.by_role[STAGE_ROLES[self.stage]], self.pushed))
         return model
 
     def _forget_cuda_graphs(self) -> None:
@@ -341,7 +343,8 @@ class Worker:
             pairs = await asyncio.to_thread(planned_copies, modules, tensors)
             done = await self.compute(copy_weights, pairs)
             self.sleeper.drop_host_copy()  # a level-1 sleep copies the new weights again
-            self.pushed.append(tensors)
+            if self.sleeper.reload is not None:
+                self.pushed.update(tensors)
         log.info(
             "%s: %d weight tensors (%.1f MB) loaded in %.3f s",
             self.stage,
