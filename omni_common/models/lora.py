@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from omni_common.models.weights import local_path, read_safetensors
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # PEFT's and diffusers' file name in an adapter directory.
@@ -60,19 +60,6 @@ def check_name(name: str) -> str:
     return name
 
 
-def local_path(text: str | Path, what: str) -> Path:
-    """A path a control call names on this machine, checked: NOT_FOUND when nothing is there,
-    INVALID_ARGUMENT for one the file system refuses (too long, a NUL byte), a directory or a
-    regular file otherwise (no devices, pipes or sockets)."""
-    path = Path(text)
-    try:
-        if not str(text) or not (path.is_file() or path.is_dir()):
-            raise NotFound(f"no {what} at {str(text)[:200]!r}")
-    except (OSError, ValueError):
-        raise InvalidArgument(f"{str(text)[:200]!r} is no usable path for a {what}") from None
-    return path
-
-
 def adapter_file(path: Path) -> Path:
     """The safetensors file of an adapter: the file itself, or in a directory PEFT's
     `pytorch_lora_weights.safetensors` or its only `*.safetensors`."""
@@ -89,17 +76,6 @@ def adapter_file(path: Path) -> Path:
             f"adapter directory {path.name!r} holds {len(found)} .safetensors files; name one"
         )
     raise NotFound(f"no adapter file or directory at {str(path)[:200]!r}")  # removed meanwhile
-
-
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and header metadata of a safetensors file; INVALID_ARGUMENT for anything else."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError) as err:
-        raise InvalidArgument(f"{path.name!r} is not a readable safetensors file: {err}") from None
-    return tensors, metadata
 
 
 def lora_alpha(metadata: dict[str, str]) -> float | None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.lora import local_path, read_safetensors
+from omni_common.models.weights import local_path, read_safetensors
 
 
 @dataclass(frozen=True)
