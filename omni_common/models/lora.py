@@ -155,8 +155,11 @@ class LoraLayers:
         self.adapters: dict[str, LoraAdapter] = {}
         self.names: tuple[str, ...] = ()  # snapshot for other threads (StageInfo)
         self._rows: list[RowAdapters] | None = None
-        # Rows of one forward grouped by adapter set (index tensors), None when all rows match.
-        self._groups: list[tuple[RowAdapters, torch.Tensor]] | None = None
+        # Rows of one forward by adapter position (Slot), None when all rows match.
+        self._slots: list[Slot] | None = None
+        # Per adapted module: the stacked factors of the last slot composition seen (a batch's
+        # composition repeats step after step).
+        self._stacks: dict[str, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
         self._uses: dict[str, int] = {}  # adapted module path -> adapters using it
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
@@ -245,17 +248,23 @@ class LoraLayers:
         """Apply each row's adapters in the forwards inside (rows = the batch's dimension 0).
         A batch without any adapter is left alone (the hooks return at once)."""
         self._rows = list(rows) if any(rows) else None
-        self._groups = None
+        self._slots = None
         if self._rows is not None and any(row != rows[0] for row in rows):
-            by_set: dict[RowAdapters, list[int]] = {}
-            for i, row in enumerate(rows):
-                if row:
-                    by_set.setdefault(row, []).append(i)
-            self._groups = [(key, torch.tensor(idx, device=self.device)) for key, idx in by_set.items()]
+            # Slot j: the rows with a j-th adapter, and that adapter and its weight for each.
+            slots = []
+            for j in range(max(len(row) for row in rows)):
+                members = [(i, row[j]) for i, row in enumerate(rows) if len(row) > j]
+                slots.append(
+                    Slot(
+                        index=torch.tensor([i for i, _ in members], device=self.device),
+                        adapters=tuple(member for _, member in members),
+                    )
+                )
+            self._slots = slots
         try:
             yield
         finally:
-            self._rows, self._groups = None, None
+            self._rows, self._slots = None, None
 
     @property
     def active(self) -> bool:
@@ -375,6 +384,7 @@ class LoraLayers:
         if self.adapters.get(adapter.name) is not adapter:
             return
         del self.adapters[adapter.name]
+        self._stacks.clear()  # they hold its factors (and an id another adapter may take)
         for path in adapter.layers:
             self._uses[path] -= 1
             if not self._uses[path]:
@@ -409,26 +419,71 @@ class LoraLayers:
     def _apply(
         self, path: str, x: torch.Tensor, result: torch.Tensor, rows: list[RowAdapters]
     ) -> torch.Tensor:
-        """The layer's output plus each row's adapters, adapter by adapter in the row's order:
-        `result + term` (PEFT's forward) when every row has the same adapters, else each
-        adapter set's terms added to its rows only (the same additions, element by element)."""
+        """The layer's output plus each row's adapters, in the row's order. When every row has
+        the same adapters: `result + term` per adapter, PEFT's forward exactly. Otherwise one
+        batched LoRA forward per adapter position: the rows' factors stacked (ranks padded with
+        zeros), two bmm, each row's scaling, added to those rows (equal to the rows' own terms
+        up to float rounding)."""
         if x.shape[0] != len(rows):
             raise ValueError(f"LoRA rows: {len(rows)} given for a batch of {x.shape[0]} at {path}")
-        groups = self._groups
-        if groups is None:  # every row alike
+        if self._slots is None:  # every row alike
             for adapter, weight in rows[0]:
                 weights = adapter.layers.get(path)
                 if weights is not None:
                     result = result + self._delta(x, *weights, adapter, weight)
             return result
-        for adapters, index in groups:
+        for number, slot in enumerate(self._slots):
+            stacked = self._stacked(path, number, slot)
+            if stacked is None:
+                continue
+            index, a, b, scaling = stacked
             part = x.index_select(0, index)
-            for adapter, weight in adapters:
-                weights = adapter.layers.get(path)
-                if weights is not None:
-                    # In place: the layer's fresh output; inference only (no autograd here).
-                    result.index_add_(0, index, self._delta(part, *weights, adapter, weight))
+            flat = part.reshape(part.shape[0], -1, part.shape[-1])
+            term = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2)) * scaling
+            # In place: the layer's fresh output; inference only (no autograd here).
+            result.index_add_(0, index, term.reshape(*part.shape[:-1], term.shape[-1]))
         return result
+
+    def _stacked(
+        self, path: str, number: int, slot: Slot
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(row index, lora_A [n, r, in], lora_B [n, out, r], scaling [n, 1, 1]) of the slot's
+        rows whose adapter adapts `path`; None when none does."""
+        members = [(i, a, w) for i, (a, w) in enumerate(slot.adapters) if path in a.layers]
+        if not members:
+            return None
+        key = (number, *(id(adapter) for _, adapter, _ in members), *(i for i, _, _ in members))
+        cached = self._stacks.get(path)
+        if cached is None or cached[0] != key:
+            rank = max(adapter.layers[path][0].shape[0] for _, adapter, _ in members)
+            a_parts, b_parts = [], []
+            for _, adapter, _ in members:
+                a, b = adapter.layers[path]
+                pad = rank - a.shape[0]
+                a_parts.append(torch.nn.functional.pad(a, (0, 0, 0, pad)))  # zero rows: exact
+                b_parts.append(torch.nn.functional.pad(b, (0, pad)))
+            cached = (key, torch.stack(a_parts), torch.stack(b_parts))
+            self._stacks[path] = cached
+        scalings = []
+        for _, adapter, weight in members:
+            rank = adapter.layers[path][0].shape[0]
+            alpha = rank if adapter.lora_alpha is None else adapter.lora_alpha
+            scalings.append(weight * alpha / rank)
+        scaling = torch.tensor(scalings, device=self.device, dtype=self.dtype).view(-1, 1, 1)
+        if len(members) == len(slot.adapters):
+            index = slot.index
+        else:
+            index = slot.index[torch.tensor([i for i, _, _ in members], device=self.device)]
+        return index, cached[1], cached[2], scaling
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The rows of a mixed batch that have an adapter at one position of their list (their
+    first, second, ...), in row order, and that adapter with its weight for each."""
+
+    index: torch.Tensor
+    adapters: tuple[tuple[LoraAdapter, float], ...]
 
 
 def save_random_lora(
