@@ -8,9 +8,10 @@ row, `lora_B(lora_A(x)) * scaling` per adapter of that row, in the order the req
 them. That is PEFT's unfused LoRA forward, term for term (`result + lora_B(lora_A(x)) *
 scaling`, scaling = scale * lora_alpha / rank), so one request equals diffusers'
 `load_lora_weights` + `set_adapters` bit for bit on the CPU in fp32, and `fuse_lora` up to the
-rounding of the fused weight. Rows of one forward may carry different adapters (or none): the
-hook adds each adapter set's delta to its rows only, so requests with different adapters share
-one step.
+rounding of the fused weight. Rows of one forward may carry different adapters (or none), so
+requests with different adapters share one step: per adapter position (each row's first, second,
+... adapter) one batched LoRA forward, the rows' factors stacked, two bmm and per-row scalings,
+added to those rows only (benchmarks/lora.py: faster than a forward per adapter set).
 
 What a runner promises around a forward: `rows(...)` names each batch row's adapters (the
 hooks do nothing outside it), and `acquire` / `release` bracket a request's use of its
@@ -130,6 +131,9 @@ class LoraInfo:
 
 # One row's adapters: (adapter, the request's scale) in the order the request named them.
 RowAdapters = tuple[tuple[LoraAdapter, float], ...]
+# A slot's batched factors for one module: row index, lora_A [n, r, in], lora_B [n, out, r],
+# scaling [n, 1, 1].
+Stacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LoraLayers:
@@ -159,7 +163,7 @@ class LoraLayers:
         self._slots: list[Slot] | None = None
         # Per adapted module: the stacked factors of the last slot composition seen (a batch's
         # composition repeats step after step).
-        self._stacks: dict[str, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+        self._stacks: dict[str, tuple[tuple[object, ...], Stacked]] = {}
         self._uses: dict[str, int] = {}  # adapted module path -> adapters using it
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
@@ -254,12 +258,7 @@ class LoraLayers:
             slots = []
             for j in range(max(len(row) for row in rows)):
                 members = [(i, row[j]) for i, row in enumerate(rows) if len(row) > j]
-                slots.append(
-                    Slot(
-                        index=torch.tensor([i for i, _ in members], device=self.device),
-                        adapters=tuple(member for _, member in members),
-                    )
-                )
+                slots.append(Slot(tuple(i for i, _ in members), tuple(member for _, member in members)))
             self._slots = slots
         try:
             yield
@@ -444,37 +443,36 @@ class LoraLayers:
             result.index_add_(0, index, term.reshape(*part.shape[:-1], term.shape[-1]))
         return result
 
-    def _stacked(
-        self, path: str, number: int, slot: Slot
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _stacked(self, path: str, number: int, slot: Slot) -> Stacked | None:
         """(row index, lora_A [n, r, in], lora_B [n, out, r], scaling [n, 1, 1]) of the slot's
-        rows whose adapter adapts `path`; None when none does."""
-        members = [(i, a, w) for i, (a, w) in enumerate(slot.adapters) if path in a.layers]
+        rows whose adapter adapts `path`; None when none does. Kept while the batch's
+        composition repeats (step after step), so a step makes no new device tensors."""
+        members = [
+            (row, a, w) for row, (a, w) in zip(slot.rows, slot.adapters, strict=True) if path in a.layers
+        ]
         if not members:
             return None
-        key = (number, *(id(adapter) for _, adapter, _ in members), *(i for i, _, _ in members))
+        key = (number, *((row, id(adapter), weight) for row, adapter, weight in members))
         cached = self._stacks.get(path)
-        if cached is None or cached[0] != key:
-            rank = max(adapter.layers[path][0].shape[0] for _, adapter, _ in members)
-            a_parts, b_parts = [], []
-            for _, adapter, _ in members:
-                a, b = adapter.layers[path]
-                pad = rank - a.shape[0]
-                a_parts.append(torch.nn.functional.pad(a, (0, 0, 0, pad)))  # zero rows: exact
-                b_parts.append(torch.nn.functional.pad(b, (0, pad)))
-            cached = (key, torch.stack(a_parts), torch.stack(b_parts))
-            self._stacks[path] = cached
-        scalings = []
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        rank = max(adapter.layers[path][0].shape[0] for _, adapter, _ in members)
+        a_parts, b_parts, scalings = [], [], []
         for _, adapter, weight in members:
-            rank = adapter.layers[path][0].shape[0]
-            alpha = rank if adapter.lora_alpha is None else adapter.lora_alpha
-            scalings.append(weight * alpha / rank)
-        scaling = torch.tensor(scalings, device=self.device, dtype=self.dtype).view(-1, 1, 1)
-        if len(members) == len(slot.adapters):
-            index = slot.index
-        else:
-            index = slot.index[torch.tensor([i for i, _, _ in members], device=self.device)]
-        return index, cached[1], cached[2], scaling
+            a, b = adapter.layers[path]
+            pad = rank - a.shape[0]
+            a_parts.append(torch.nn.functional.pad(a, (0, 0, 0, pad)))  # zero rows: exact
+            b_parts.append(torch.nn.functional.pad(b, (0, pad)))
+            alpha = a.shape[0] if adapter.lora_alpha is None else adapter.lora_alpha
+            scalings.append(weight * alpha / a.shape[0])
+        stacked = (
+            torch.tensor([row for row, _, _ in members], device=self.device),
+            torch.stack(a_parts),
+            torch.stack(b_parts),
+            torch.tensor(scalings, device=self.device, dtype=self.dtype).view(-1, 1, 1),
+        )
+        self._stacks[path] = (key, stacked)
+        return stacked
 
 
 @dataclass(frozen=True)
@@ -482,7 +480,7 @@ class Slot:
     """The rows of a mixed batch that have an adapter at one position of their list (their
     first, second, ...), in row order, and that adapter with its weight for each."""
 
-    index: torch.Tensor
+    rows: tuple[int, ...]
     adapters: tuple[tuple[LoraAdapter, float], ...]
 
 
