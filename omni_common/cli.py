@@ -112,6 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
                 image_format="png",
                 images=[Path(path) for path in args.image],
                 options=options,
+                loras=[_parse_lora(item) for item in args.lora],
             ):
                 builder.add(event)
                 if event.HasField("step"):
@@ -204,6 +205,57 @@ def _parse_option(item: str) -> tuple[str, str]:
     if not sep or not name:
         raise SystemExit(f"--option takes NAME=VALUE, not {item!r}")
     return name, value
+
+
+def _parse_lora(item: str) -> str | tuple[str, float]:
+    """ "NAME" or "NAME:SCALE"."""
+    name, sep, scale = item.rpartition(":")
+    if not sep:
+        return item
+    try:
+        return name, float(scale)
+    except ValueError:
+        raise SystemExit(f"--lora takes NAME or NAME:SCALE, not {item!r}") from None
+
+
+def _control(args: argparse.Namespace) -> int:
+    """One StageControl call to a replica (LoRA adapters, weights, profiler); prints its reply."""
+    import time
+
+    import grpc
+    from google.protobuf import json_format
+
+    from omni_common.runtime.auth import cluster_metadata
+    from omni_common.runtime.rpc import sync_channel
+    from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+    with sync_channel(args.address, metadata=cluster_metadata()) as channel:
+        stub = stage_pb2_grpc.StageControlStub(channel)
+        try:
+            if args.command == "profile":
+                started = stub.StartProfile(stage_pb2.StartProfileRequest(name=args.name), timeout=30)
+                print(f"profiling {args.address} into {started.path} for {args.seconds:g} s", file=sys.stderr)
+                time.sleep(args.seconds)
+                reply = stub.StopProfile(stage_pb2.StopProfileRequest(), timeout=300)
+            elif args.command == "load-weights":
+                reply = stub.LoadWeights(stage_pb2.LoadWeightsRequest(paths=args.paths), timeout=args.timeout)
+            elif args.action == "add":
+                request = stage_pb2.AddLoraRequest(name=args.name, path=args.path, pinned=args.pin)
+                if args.scale is not None:
+                    request.scale = args.scale
+                reply = stub.AddLora(request, timeout=args.timeout)
+            elif args.action == "remove":
+                reply = stub.RemoveLora(stage_pb2.RemoveLoraRequest(name=args.name), timeout=args.timeout)
+            elif args.action in ("pin", "unpin"):
+                pin = stage_pb2.PinLoraRequest(name=args.name, pinned=args.action == "pin")
+                reply = stub.PinLora(pin, timeout=args.timeout)
+            else:
+                reply = stub.ListLoras(stage_pb2.ListLorasRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(json_format.MessageToJson(reply, indent=None))
+    return 0
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -353,6 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="a model family option (repeatable); `omnistage models` lists them",
     )
+    gen.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME[:SCALE]",
+        help="a LoRA adapter of the DiT (repeatable, applied in order); `omnistage lora list` names them",
+    )
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--model", default="")
     gen.add_argument("--timeout", type=float, default=600.0)
@@ -383,6 +442,42 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models a coordinator serves, with their options")
     _add_client_args(models)
     models.set_defaults(func=_models)
+
+    lora = sub.add_parser("lora", help="LoRA adapters of a dit-denoise replica at ADDRESS")
+    lora_sub = lora.add_subparsers(dest="action", required=True)
+    lora_add = lora_sub.add_parser("add", help="load an adapter file or directory (on the replica's machine)")
+    lora_add.add_argument("address")
+    lora_add.add_argument("name")
+    lora_add.add_argument("path")
+    lora_add.add_argument("--scale", type=float, default=None, help="default scale (1.0)")
+    lora_add.add_argument("--pin", action="store_true", help="never evict it")
+    for action, text in (("remove", "unload it"), ("pin", "never evict it"), ("unpin", "evictable again")):
+        item = lora_sub.add_parser(action, help=text)
+        item.add_argument("address")
+        item.add_argument("name")
+    lora_list = lora_sub.add_parser("list", help="the loaded adapters")
+    lora_list.add_argument("address")
+    lora.add_argument("--timeout", type=float, default=120.0)
+    lora.set_defaults(func=_control)
+
+    weights = sub.add_parser(
+        "load-weights",
+        help="copy new weights (safetensors files or directories) into a replica between steps",
+    )
+    weights.add_argument("address")
+    weights.add_argument("paths", nargs="+")
+    weights.add_argument("--timeout", type=float, default=600.0)
+    weights.set_defaults(func=_control)
+
+    profile = sub.add_parser("profile", help="record a torch.profiler trace of the replica at ADDRESS")
+    profile.add_argument("address")
+    profile.add_argument("--seconds", type=float, default=10.0)
+    profile.add_argument(
+        "--name",
+        default="",
+        help="subdirectory of the replica's --profile-dir for the trace (default: a new one)",
+    )
+    profile.set_defaults(func=_control)
 
     fixture = sub.add_parser("fixture", help="build a random tiny model offline (any family)")
     fixture.add_argument("out")

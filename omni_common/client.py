@@ -57,6 +57,17 @@ def image_bytes(image: ImageLike) -> bytes:
         return file.read()
 
 
+LoraLike = str | tuple[str, float]
+
+
+def lora_ref(lora: LoraLike) -> stage_pb2.LoraRef:
+    """A LoRA adapter of a request: "name" (the scale it was added with) or ("name", scale)."""
+    if isinstance(lora, str):
+        return stage_pb2.LoraRef(name=lora)
+    name, scale = lora
+    return stage_pb2.LoraRef(name=name, scale=float(scale))
+
+
 def generate_request(
     prompt: str,
     *,
@@ -75,10 +86,12 @@ def generate_request(
     image_format: str = "rgb8",
     images: Sequence[ImageLike] = (),
     options: Mapping[str, object] | None = None,
+    loras: Sequence[LoraLike] = (),
 ) -> cpb.GenerateRequest:
     """The GenerateRequest for these arguments (guidance is the model's guidance scale:
     diffusers' true_cfg_scale for Qwen-Image, guidance_scale for GLM-Image; None takes the
-    model's default; image_format "rgb8" sends raw pixels, "png" a PNG file)."""
+    model's default; image_format "rgb8" sends raw pixels, "png" a PNG file; loras names the
+    DiT's LoRA adapters in order, each a name (its added scale) or (name, scale))."""
     formats = {"png": cpb.IMAGE_FORMAT_PNG, "rgb8": cpb.IMAGE_FORMAT_RGB8}
     if image_format not in formats:
         raise ValueError(f"image_format must be one of {sorted(formats)}, not {image_format!r}")
@@ -92,6 +105,7 @@ def generate_request(
         seed=seed,
         max_sequence_length=max_sequence_length,
         options={name: str(value) for name, value in (options or {}).items()},
+        loras=[lora_ref(lora) for lora in loras],
     )
     if guidance is not None:
         params.true_cfg_scale = guidance

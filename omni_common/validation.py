@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
 from omni_common.models.base import GenerationRequest, ImageInput, ModelCard, OptionSpec
+from omni_common.models.lora import NAME_PATTERN as LORA_NAME
 from omnistage.v1 import stage_pb2
 
 MAX_PROMPT_CHARS = 10_000
@@ -21,6 +22,8 @@ MAX_CFG = 100.0
 MAX_SEQUENCE_LENGTH = 4096  # the families cap it lower (Qwen-Image: 1024)
 MAX_OPTIONS = 32
 MAX_OPTION_CHARS = 64
+MAX_LORAS = 8
+MAX_LORA_SCALE = 100.0
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 DEFAULT_SIDE = 1024
@@ -123,6 +126,7 @@ def to_request(
     for name, value in params.options.items():
         if len(name) > MAX_OPTION_CHARS or len(value) > MAX_OPTION_CHARS:
             raise InvalidArgument(f"option names and values are at most {MAX_OPTION_CHARS} characters")
+    loras = check_loras(params.loras)
     return GenerationRequest(
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -134,4 +138,33 @@ def to_request(
         max_sequence_length=seq,
         images=images,
         options=tuple(sorted(params.options.items())),
+        loras=loras,
     )
+
+
+def check_loras(loras: Sequence[stage_pb2.LoraRef]) -> tuple[tuple[str, float | None], ...]:
+    """The request's adapters: at most MAX_LORAS, valid names, each once, finite scales."""
+    if len(loras) > MAX_LORAS:
+        raise InvalidArgument(f"{len(loras)} LoRA adapters named; the limit is {MAX_LORAS}")
+    out: list[tuple[str, float | None]] = []
+    for ref in loras:
+        if not LORA_NAME.fullmatch(ref.name):
+            raise InvalidArgument(
+                f"LoRA name {ref.name[:80]!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
+            )
+        if any(name == ref.name for name, _ in out):
+            raise InvalidArgument(f"LoRA adapter {ref.name!r} is named twice")
+        scale = ref.scale if ref.HasField("scale") else None
+        if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE):
+            raise InvalidArgument(
+                f"LoRA scale of {ref.name!r} is {scale}; it must be finite, in "
+                f"[-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]"
+            )
+        out.append((ref.name, scale))
+    return tuple(out)
+
+
+def check_takes_loras(request: GenerationRequest, card: ModelCard, family: str) -> None:
+    """INVALID_ARGUMENT when a request names adapters its model's family does not take."""
+    if request.loras and not card.loras:
+        raise InvalidArgument(f"{family} models take no LoRA adapters")

@@ -81,6 +81,9 @@ class GenerationRequest:
     images: tuple[ImageInput, ...] = ()
     # Family options (GenerationParams.options), checked by the family's `validate`.
     options: tuple[tuple[str, str], ...] = ()
+    # LoRA adapters of the DiT by name, in order, each with its scale (None: the scale the
+    # adapter was added with); families whose card says `loras` take them.
+    loras: tuple[tuple[str, float | None], ...] = ()
 
     @property
     def do_true_cfg(self) -> bool:
@@ -104,6 +107,13 @@ class DenoiserOptions:
     attention_backend: str = ""
     # torch.compile the transformer's repeated blocks.
     compile: bool = False
+    # LoRA adapters (omni_common/models/lora.py): memory for unpinned ones in bytes, the
+    # directory requests may load adapters from by name ("" = none), and how requests with
+    # different adapters batch: "mixed" (one forward, each row its own adapters) or "grouped"
+    # (one forward per adapter set).
+    lora_bytes: int = 1 << 30
+    lora_dir: str = ""
+    lora_batching: str = "mixed"
 
 
 @dataclass(frozen=True)
@@ -378,6 +388,8 @@ class ModelCard:
     defaults: Mapping[str, float] = field(default_factory=dict)
     # Output sizes must be multiples of this.
     size_multiple: int = 16
+    # Whether requests may name LoRA adapters of the model's DiT (GenerationParams.loras).
+    loras: bool = False
 
 
 class ModelFamily(Protocol):

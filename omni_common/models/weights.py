@@ -1,6 +1,7 @@
 """Where a component's weights come from: a diffusers/transformers directory on disk, or,
 for a *random-weights* model directory, the architecture built from its config.json with
-seeded random weights directly on the device.
+seeded random weights directly on the device; and the safetensors files a control call names
+(LoRA adapters, pushed weights), checked.
 
 Random weights serve speed and memory measurements of real-size models on machines whose
 disk is smaller than the weights (speed does not depend on the values). A directory is a
@@ -18,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+
+from omni_common.errors import InvalidArgument, NotFound
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 
@@ -63,3 +67,27 @@ def load_component(cls: Any, component_dir: Path, device: torch.device, dtype: t
             config = cls.config_class.from_pretrained(component_dir)
             model = cls._from_config(config, dtype=dtype)
     return model.eval()
+
+
+def local_path(text: str | Path, what: str) -> Path:
+    """A path a control call names on this machine, checked: NOT_FOUND when nothing is there,
+    INVALID_ARGUMENT for one the file system refuses (too long, a NUL byte), a directory or a
+    regular file otherwise (no devices, pipes or sockets)."""
+    path = Path(text)
+    try:
+        if not str(text) or not (path.is_file() or path.is_dir()):
+            raise NotFound(f"no {what} at {str(text)[:200]!r}")
+    except (OSError, ValueError):
+        raise InvalidArgument(f"{str(text)[:200]!r} is no usable path for a {what}") from None
+    return path
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and header metadata of a safetensors file; INVALID_ARGUMENT for anything else."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as err:
+        raise InvalidArgument(f"{path.name!r} is not a readable safetensors file: {err}") from None
+    return tensors, metadata

@@ -72,6 +72,12 @@ class StageConfig:
     compile: str = "auto"
     # torch.compile's on-disk caches (compile_cache.py); empty = PyTorch's default under /tmp.
     compile_cache: str = ""
+    # dit-denoise LoRA adapters (DenoiserOptions): memory bound, directory, batching.
+    lora_bytes: int = 1 << 30
+    lora_dir: str = ""
+    lora_batching: str = "mixed"
+    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles.
+    profile_dir: str = ""
 
     @property
     def bind_address(self) -> str:
@@ -259,6 +265,34 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "under /tmp",
     )
 
+    parser.add_argument(
+        "--lora-bytes",
+        type=int,
+        default=int(env("LORA_BYTES", str(1 << 30))),
+        help="dit-denoise: device memory for LoRA adapters; beyond it the least recently used "
+        "unpinned adapter is evicted",
+    )
+    parser.add_argument(
+        "--lora-dir",
+        default=env("LORA_DIR", ""),
+        help="dit-denoise: a directory of adapters (NAME.safetensors or NAME/) that requests may "
+        "name without an AddLora first; empty: only added adapters",
+    )
+    parser.add_argument(
+        "--lora-batching",
+        default=env("LORA_BATCHING", "mixed"),
+        choices=("mixed", "grouped"),
+        help="dit-denoise: requests with different LoRA adapters share one forward, each row its "
+        "own adapters (mixed), or take one forward per adapter set (grouped)",
+    )
+
+    parser.add_argument(
+        "--profile-dir",
+        default=env("PROFILE_DIR", ""),
+        help="where `omnistage profile` traces of this replica go (default: omnistage-profiles in "
+        "the system's temporary directory)",
+    )
+
 
 def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
     if not args.model:
@@ -295,6 +329,10 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         attention_backend=args.attention_backend,
         compile=args.compile,
         compile_cache=args.compile_cache,
+        lora_bytes=args.lora_bytes,
+        lora_dir=args.lora_dir,
+        lora_batching=args.lora_batching,
+        profile_dir=args.profile_dir,
     )
 
 

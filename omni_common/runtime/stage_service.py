@@ -29,7 +29,7 @@ from omni_common.runtime.memory import Transition
 from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, keep_registered
 from omni_common.runtime.serve import advertised_address, serve
-from omni_common.runtime.stage_control import StageControlServicer
+from omni_common.runtime.stage_control import ControlledWorker, StageControlServicer
 from omni_common.runtime.step_scheduler import StepTotals
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
 from omni_common.validation import check_request_id, to_request
@@ -38,8 +38,8 @@ from omnistage.v1 import stage_pb2, stage_pb2_grpc
 log = logging.getLogger("omnistage.stage")
 
 
-class StageWorker(Protocol):
-    """What the servicer needs of services/<stage>/worker.py."""
+class StageWorker(ControlledWorker, Protocol):
+    """What the servicers need of services/<stage>/worker.py."""
 
     stage: str
     model_name: str
@@ -63,6 +63,10 @@ class StageWorker(Protocol):
 
     def load(self) -> int:
         """The stage's own load signal (StageInfo.load)."""
+        ...
+
+    def lora_names(self) -> list[str]:
+        """LoRA adapters loaded here (StageInfo.loras); empty for models without them."""
         ...
 
     def step_totals(self) -> Mapping[str, StepTotals]:
@@ -129,6 +133,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             weight_bytes=self.worker.weight_bytes,
             device_memory_bytes=self.worker.device_memory_bytes,
             roles=self.worker.roles,
+            loras=self.worker.lora_names(),
         )
 
     async def Info(

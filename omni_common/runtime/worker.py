@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
 from omni_common.models.base import (
     GenerationRequest,
     ModelFamily,
@@ -29,14 +29,18 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
+from omni_common.models.lora import LoraInfo, LoraLayers, check_name
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.compile_cache import use_compile_cache
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.hot_reload import WeightsLoaded, copy_weights, planned_copies, read_weights
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
 from omni_common.runtime.offload import LayerwiseOffload
+from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
 from omni_common.runtime.step_scheduler import StepTotals
+from omni_common.validation import check_takes_loras
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")
@@ -92,10 +96,14 @@ class Worker:
             use_compile_cache(Path(config.compile_cache))
         context = self.stage_context()
         self.model = self._load_model(context)
+        # The latest tensor LoadWeights gave each weight name (host memory, at most one model's
+        # worth), applied again when a level-2 wake reloads the model from its directory.
+        self.pushed: dict[str, torch.Tensor] = {}
+        self.profiler = StageProfiler(self.stage, self.device, config.profile_dir)
         has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
         self.manage_memory(
             self.model,
-            reload=(lambda: self._load_model(context)) if has_weights else None,
+            reload=(lambda: self._reload_model(context)) if has_weights else None,
             forget_weight_addresses=self._forget_cuda_graphs,
         )
         limits = self.role_limits()
@@ -152,6 +160,15 @@ class Worker:
             raise SystemExit(f"{self.stage}: {self.family.name} loaded no runner for role {missing[0]!r}")
         return model
 
+    def _reload_model(self, context: StageContext) -> StageModel:
+        """The model as sleep level 2 wakes it: loaded again from its directory, then the latest
+        weights LoadWeights put in (kept in host memory for this)."""
+        model = self._load_model(context)
+        modules = discover_modules(model, self.family.modules, STAGE_ROLES[self.stage])
+        if self.pushed:
+            copy_weights(planned_copies(modules.by_role[STAGE_ROLES[self.stage]], self.pushed))
+        return model
+
     def _forget_cuda_graphs(self) -> None:
         for spec in self.role_specs:
             if spec.kind == "steps":
@@ -166,6 +183,7 @@ class Worker:
         return {name: h.totals for name, h in self.handlers.items() if isinstance(h, StepRole)}
 
     def validate(self, request: GenerationRequest) -> None:
+        check_takes_loras(request, self.family.card, self.family.name)
         self.family.validate(request)
 
     def handler(self, role: str) -> RoleHandler:
@@ -264,6 +282,87 @@ class Worker:
         """Wake before serving a call (when the offload policy did not)."""
         if not self.sleeper.awake or self._memory_lock.locked():
             await self.wake()
+
+    # -- LoRA adapters, weight pushes and the profiler (StageControl) ------------------------
+
+    def lora_layers(self) -> LoraLayers:
+        """The adapters of the runner that takes them; UNIMPLEMENTED when none does."""
+        for runner in self.model.runners.values():
+            layers = getattr(runner, "loras", None)
+            if isinstance(layers, LoraLayers):
+                return layers
+        raise Unimplemented(f"this {self.stage} replica's model ({self.family.name}) takes no LoRA adapters")
+
+    def lora_names(self) -> list[str]:
+        """Adapters loaded here (StageInfo.loras); any thread."""
+        try:
+            return list(self.lora_layers().names)
+        except Unimplemented:
+            return []
+
+    async def add_lora(self, name: str, path: str, scale: float, pinned: bool) -> LoraInfo:
+        """Read and check the file off the compute thread, then install it between steps."""
+        layers = self.lora_layers()
+        adapter = await asyncio.to_thread(layers.read, check_name(name), Path(path), scale, pinned)
+        info = await self.compute(layers.put, adapter)
+        log.info(
+            "%s: LoRA %s added (%s, %d modules, %d bytes)",
+            self.stage,
+            name,
+            info.source,
+            info.modules,
+            info.nbytes,
+        )
+        return info
+
+    async def remove_lora(self, name: str) -> None:
+        await self.compute(self.lora_layers().remove, name)
+        log.info("%s: LoRA %s removed", self.stage, name)
+
+    async def pin_lora(self, name: str, pinned: bool) -> LoraInfo:
+        return await self.compute(self.lora_layers().pin, name, pinned)
+
+    async def list_loras(self) -> tuple[list[LoraInfo], int, int]:
+        """(adapters, bytes they take, the bound)."""
+        layers = self.lora_layers()
+        return await self.compute(lambda: (layers.infos(), layers.nbytes, layers.max_bytes))
+
+    async def load_weights(self, paths: Sequence[str]) -> WeightsLoaded:
+        """Copy new weights into the model between two steps (hot_reload.py)."""
+        if self.layerwise:
+            raise FailedPrecondition(
+                "layerwise offload keeps the blocks in host memory; LoadWeights needs them resident"
+            )
+        modules = self.modules.by_role.get(STAGE_ROLES[self.stage], [])
+        if not modules:
+            raise Unimplemented(f"this {self.stage} replica declares no weights to load")
+        self._check_awake()
+        tensors = await asyncio.to_thread(read_weights, paths)
+        async with self._memory_lock:
+            self._check_awake()  # shapes are checked against the weights on the device
+            pairs = await asyncio.to_thread(planned_copies, modules, tensors)
+            done = await self.compute(copy_weights, pairs)
+            self.sleeper.drop_host_copy()  # a level-1 sleep copies the new weights again
+            if self.sleeper.reload is not None:
+                self.pushed.update(tensors)
+        log.info(
+            "%s: %d weight tensors (%.1f MB) loaded in %.3f s",
+            self.stage,
+            done.tensors,
+            done.nbytes / 1e6,
+            done.seconds,
+        )
+        return done
+
+    def _check_awake(self) -> None:
+        if not self.sleeper.awake:
+            raise FailedPrecondition(f"{self.stage} is asleep; wake it before loading weights")
+
+    async def start_profile(self, name: str) -> Path:
+        return await self.compute(self.profiler.start, name)
+
+    async def stop_profile(self) -> tuple[Path, float]:
+        return await self.compute(self.profiler.stop)
 
     async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the device's compute thread without blocking the event loop."""

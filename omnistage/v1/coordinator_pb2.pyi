@@ -234,7 +234,7 @@ class ModelOption(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ..., default_value: _Optional[str] = ..., minimum: _Optional[float] = ..., maximum: _Optional[float] = ..., description: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "family", "replicas", "inputs", "max_images", "outputs", "options", "roles", "ready", "defaults", "size_multiple")
+    __slots__ = ("name", "family", "replicas", "inputs", "max_images", "outputs", "options", "roles", "ready", "defaults", "size_multiple", "takes_loras", "loras")
     class ReplicasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,13 @@ class ModelInfo(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LorasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +274,8 @@ class ModelInfo(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     SIZE_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
+    TAKES_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     replicas: _containers.ScalarMap[str, int]
@@ -278,7 +287,9 @@ class ModelInfo(_message.Message):
     ready: bool
     defaults: _containers.ScalarMap[str, float]
     size_multiple: int
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., replicas: _Optional[_Mapping[str, int]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., options: _Optional[_Iterable[_Union[ModelOption, _Mapping]]] = ..., roles: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., defaults: _Optional[_Mapping[str, float]] = ..., size_multiple: _Optional[int] = ...) -> None: ...
+    takes_loras: bool
+    loras: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., replicas: _Optional[_Mapping[str, int]] = ..., inputs: _Optional[_Iterable[str]] = ..., max_images: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., options: _Optional[_Iterable[_Union[ModelOption, _Mapping]]] = ..., roles: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., defaults: _Optional[_Mapping[str, float]] = ..., size_multiple: _Optional[int] = ..., takes_loras: _Optional[bool] = ..., loras: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

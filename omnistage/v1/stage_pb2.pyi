@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerationParams(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length", "options")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length", "options", "loras")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class GenerationParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -36,7 +37,16 @@ class GenerationParams(_message.Message):
     seed: int
     max_sequence_length: int
     options: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraRef]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ..., loras: _Optional[_Iterable[_Union[LoraRef, _Mapping]]] = ...) -> None: ...
+
+class LoraRef(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class StageRequest(_message.Message):
     __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace", "role", "streaming")
@@ -123,7 +133,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles")
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles", "loras")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +149,7 @@ class StageInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -154,7 +165,8 @@ class StageInfo(_message.Message):
     weight_bytes: int
     device_memory_bytes: int
     roles: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)
@@ -177,3 +189,97 @@ class MemoryTransition(_message.Message):
     seconds: float
     awake: bool
     def __init__(self, level: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., awake: _Optional[bool] = ...) -> None: ...
+
+class AddLoraRequest(_message.Message):
+    __slots__ = ("name", "path", "scale", "pinned")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    scale: float
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., scale: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class RemoveLoraRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PinLoraRequest(_message.Message):
+    __slots__ = ("name", "pinned")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraInfo(_message.Message):
+    __slots__ = ("name", "source", "scale", "rank", "modules", "bytes", "pinned", "users")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    USERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    scale: float
+    rank: int
+    modules: int
+    bytes: int
+    pinned: bool
+    users: int
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., scale: _Optional[float] = ..., rank: _Optional[int] = ..., modules: _Optional[int] = ..., bytes: _Optional[int] = ..., pinned: _Optional[bool] = ..., users: _Optional[int] = ...) -> None: ...
+
+class LoraList(_message.Message):
+    __slots__ = ("loras", "bytes", "max_bytes")
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.RepeatedCompositeFieldContainer[LoraInfo]
+    bytes: int
+    max_bytes: int
+    def __init__(self, loras: _Optional[_Iterable[_Union[LoraInfo, _Mapping]]] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("paths",)
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadWeightsReply(_message.Message):
+    __slots__ = ("tensors", "bytes", "seconds")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tensors: int
+    bytes: int
+    seconds: float
+    def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProfileReply(_message.Message):
+    __slots__ = ("path", "seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    seconds: float
+    def __init__(self, path: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

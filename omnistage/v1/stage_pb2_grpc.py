@@ -217,6 +217,41 @@ class StageControlStub:
                 request_serializer=omnistage_dot_v1_dot_stage__pb2.WakeRequest.SerializeToString,
                 response_deserializer=omnistage_dot_v1_dot_stage__pb2.MemoryTransition.FromString,
                 _registered_method=True)
+        self.AddLora = channel.unary_unary(
+                '/omnistage.v1.StageControl/AddLora',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.AddLoraRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.LoraInfo.FromString,
+                _registered_method=True)
+        self.RemoveLora = channel.unary_unary(
+                '/omnistage.v1.StageControl/RemoveLora',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.RemoveLoraRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.LoraList.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/omnistage.v1.StageControl/ListLoras',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.LoraList.FromString,
+                _registered_method=True)
+        self.PinLora = channel.unary_unary(
+                '/omnistage.v1.StageControl/PinLora',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.PinLoraRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.LoraInfo.FromString,
+                _registered_method=True)
+        self.LoadWeights = channel.unary_unary(
+                '/omnistage.v1.StageControl/LoadWeights',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.LoadWeightsReply.FromString,
+                _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/omnistage.v1.StageControl/StartProfile',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.ProfileReply.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/omnistage.v1.StageControl/StopProfile',
+                request_serializer=omnistage_dot_v1_dot_stage__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=omnistage_dot_v1_dot_stage__pb2.ProfileReply.FromString,
+                _registered_method=True)
 
 
 class StageControlServicer:
@@ -241,6 +276,62 @@ class StageControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddLora(self, request, context):
+        """Loads a LoRA adapter (dit-denoise with a family that takes adapters; UNIMPLEMENTED
+        elsewhere). INVALID_ARGUMENT for a bad name or file (unknown modules, wrong shapes, NaN or
+        Inf, unsupported LoRA variants), NOT_FOUND for a missing path, RESOURCE_EXHAUSTED when it
+        does not fit the adapter memory beside pinned and busy adapters. Nothing changes on error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveLora(self, request, context):
+        """Unloads an adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """Lists the loaded adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinLora(self, request, context):
+        """Pins or unpins an adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadWeights(self, request, context):
+        """Copies new weights into the model between two steps (no request is dropped: requests in
+        flight run their remaining steps on the new weights). INVALID_ARGUMENT for unknown names,
+        wrong shapes, NaN or Inf (nothing is copied then), NOT_FOUND for a missing path,
+        FAILED_PRECONDITION while asleep or under layerwise offload.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProfile(self, request, context):
+        """Starts a torch.profiler trace (CPU, and CUDA on a GPU); FAILED_PRECONDITION when one runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stops the trace and writes it as Chrome trace JSON (Perfetto opens it);
+        FAILED_PRECONDITION when none runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +344,41 @@ def add_StageControlServicer_to_server(servicer, server):
                     servicer.Wake,
                     request_deserializer=omnistage_dot_v1_dot_stage__pb2.WakeRequest.FromString,
                     response_serializer=omnistage_dot_v1_dot_stage__pb2.MemoryTransition.SerializeToString,
+            ),
+            'AddLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddLora,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.AddLoraRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.LoraInfo.SerializeToString,
+            ),
+            'RemoveLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveLora,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.RemoveLoraRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.LoraList.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.ListLorasRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.LoraList.SerializeToString,
+            ),
+            'PinLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinLora,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.PinLoraRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.LoraInfo.SerializeToString,
+            ),
+            'LoadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadWeights,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.LoadWeightsReply.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.StartProfileRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.ProfileReply.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=omnistage_dot_v1_dot_stage__pb2.StopProfileRequest.FromString,
+                    response_serializer=omnistage_dot_v1_dot_stage__pb2.ProfileReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +438,195 @@ class StageControl:
             '/omnistage.v1.StageControl/Wake',
             omnistage_dot_v1_dot_stage__pb2.WakeRequest.SerializeToString,
             omnistage_dot_v1_dot_stage__pb2.MemoryTransition.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/AddLora',
+            omnistage_dot_v1_dot_stage__pb2.AddLoraRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.LoraInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/RemoveLora',
+            omnistage_dot_v1_dot_stage__pb2.RemoveLoraRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.LoraList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/ListLoras',
+            omnistage_dot_v1_dot_stage__pb2.ListLorasRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.LoraList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/PinLora',
+            omnistage_dot_v1_dot_stage__pb2.PinLoraRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.LoraInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/LoadWeights',
+            omnistage_dot_v1_dot_stage__pb2.LoadWeightsRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.LoadWeightsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/StartProfile',
+            omnistage_dot_v1_dot_stage__pb2.StartProfileRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.v1.StageControl/StopProfile',
+            omnistage_dot_v1_dot_stage__pb2.StopProfileRequest.SerializeToString,
+            omnistage_dot_v1_dot_stage__pb2.ProfileReply.FromString,
             options,
             channel_credentials,
             insecure,

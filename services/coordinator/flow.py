@@ -202,8 +202,9 @@ class RequestFlow:
         up to `replica_wait_s` within its deadline, and says so in a WaitingForReplica event;
         a replica lost earlier is taken again once it has re-registered (it restarted)."""
         model = req.params.model
+        loras = frozenset(ref.name for ref in req.params.loras)
         try:
-            return self.pool.pick(step.stage, model, role=step.role, near_host=near, avoid=tried)
+            return self.pool.pick(step.stage, model, role=step.role, near_host=near, avoid=tried, loras=loras)
         except Unavailable:
             if self.replica_wait_s <= 0:
                 raise
@@ -220,7 +221,7 @@ class RequestFlow:
             while time.monotonic() < until:
                 await asyncio.sleep(REPLICA_POLL_S)
                 if self.pool.serving(step.stage, model, step.role):
-                    return self.pool.pick(step.stage, model, role=step.role, near_host=near)
+                    return self.pool.pick(step.stage, model, role=step.role, near_host=near, loras=loras)
         req.timeout(self.stage_timeout_s)  # DEADLINE_EXCEEDED when that is what ended the wait
         raise Unavailable(
             f"request {req.request_id}: no healthy {step.stage} replica for {step.name} "

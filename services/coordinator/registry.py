@@ -64,10 +64,12 @@ class Replica:
             return True
         return role in self.roles
 
-    def score(self, near_host: str) -> tuple[int, int, int]:
-        """Lower is better: same host first, then fewest calls in flight, then the stage's load."""
+    def score(self, near_host: str, loras: frozenset[str] = frozenset()) -> tuple[int, int, int, int]:
+        """Lower is better: holding the request's LoRA adapters first (another replica would
+        have to load them), then the same host, fewest calls in flight, the stage's load."""
         assert self.info is not None
-        return (0 if self.info.host_id == near_host else 1, self.in_flight, self.info.load)
+        missing = len(loras - set(self.info.loras)) if loras else 0
+        return (missing, 0 if self.info.host_id == near_host else 1, self.in_flight, self.info.load)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ModelView:
     family: str
     stages: dict[str, int] = field(default_factory=dict)  # healthy replicas per stage
     roles: dict[str, int] = field(default_factory=dict)  # healthy replicas per role
+    loras: dict[str, int] = field(default_factory=dict)  # healthy replicas per loaded adapter
 
     def ready(self) -> bool:
         """Every role of the model's family has a healthy replica."""
@@ -177,6 +180,8 @@ class ReplicaPool:
                     view.stages[stage] = view.stages.get(stage, 0) + 1
                     for role in replica.roles:
                         view.roles[role] = view.roles.get(role, 0) + 1
+                    for lora in replica.info.loras:
+                        view.loras[lora] = view.loras.get(lora, 0) + 1
         return found
 
     def family_of(self, model: str) -> ModelFamily:
@@ -233,13 +238,15 @@ class ReplicaPool:
         role: str = "",
         near_host: str = "",
         avoid: frozenset[str] = frozenset(),
+        loras: frozenset[str] = frozenset(),
     ) -> Replica:
-        """The least-loaded healthy replica of `stage` serving `model` and `role`, not in `avoid`."""
+        """The least-loaded healthy replica of `stage` serving `model` and `role`, not in `avoid`,
+        preferring one that holds the LoRA adapters `loras`."""
         candidates = [r for r in self.serving(stage, model, role) if r.address not in avoid]
         if not candidates:
             what = f"{stage} replica ({role})" if role else f"{stage} replica"
             raise Unavailable(f"no healthy {what} serves {model!r}; retry later")
-        return min(candidates, key=lambda r: r.score(near_host))
+        return min(candidates, key=lambda r: r.score(near_host, loras))
 
 
 MAX_NAME_CHARS = 256

@@ -25,7 +25,14 @@ from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import advertised_address, run, serve
 from omni_common.transport import TensorTransport, add_tensor_store
-from omni_common.validation import check_options, check_request_id, defaults_for, to_request, with_defaults
+from omni_common.validation import (
+    check_options,
+    check_request_id,
+    check_takes_loras,
+    defaults_for,
+    to_request,
+    with_defaults,
+)
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.flow import RequestFlow
@@ -93,6 +100,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(f"model {model!r} takes {allowed} input images; got {len(images)}")
         gen = to_request(params, max_pixels=self.max_pixels, images=images)
         check_options(dict(gen.options), family.card.options, family.name)
+        check_takes_loras(gen, family.card, family.name)
         family.validate(gen)
         return Accepted(request_id, params, family.plan(gen), media)
 
@@ -188,6 +196,8 @@ def model_info(name: str, view: ModelView) -> cpb.ModelInfo:
     info.outputs.extend(card.outputs)
     info.defaults.update(defaults_for(card))
     info.size_multiple = card.size_multiple
+    info.takes_loras = card.loras
+    info.loras.update(view.loras)
     info.options.extend(
         cpb.ModelOption(
             name=spec.name,

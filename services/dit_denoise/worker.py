@@ -30,6 +30,9 @@ class DenoiseWorker(Worker):
             max_batch=config.max_batch,
             attention_backend=config.attention_backend,
             compile=self._flag("--compile", config.compile),
+            lora_bytes=config.lora_bytes,
+            lora_dir=config.lora_dir,
+            lora_batching=config.lora_batching,
         )
 
     def _flag(self, name: str, value: str) -> bool:

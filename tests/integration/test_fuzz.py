@@ -168,14 +168,18 @@ def fuzz_method(
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_model: Path) -> Iterator[tuple[InProcessCluster, bytes]]:
+def fuzzed(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[InProcessCluster, bytes]]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMNISTAGE_CLUSTER_TOKEN", TOKEN)
         env.setattr(feeds, "OPEN_WAIT_S", 0.05)  # a fuzzed Feed names no open call: fail fast
         limits = {"max_pixels": MAX_PIXELS}
+        # Fuzzed StartProfile calls write their traces under a directory of the test's own.
+        stage_limits = {**limits, "profile_dir": str(tmp_path_factory.mktemp("profiles"))}
         running = InProcessCluster(
             tiny_model,
-            stage_options={stage: limits for stage in ("ar-encoder", "dit-denoise", "vae-decode")},
+            stage_options={stage: stage_limits for stage in ("ar-encoder", "dit-denoise", "vae-decode")},
             coordinator_options=limits,
         )
         running.start()

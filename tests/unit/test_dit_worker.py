@@ -28,3 +28,26 @@ def test_auto_leaves_graphs_and_compilation_off_on_the_cpu(tiny_model: Path) -> 
 def test_asking_for_them_on_the_cpu_is_refused_at_start(tiny_model: Path, flag: str) -> None:
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         DenoiseWorker(config(tiny_model, **{flag: "on"}))
+
+
+def test_lora_flags_reach_the_denoiser(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from omni_common.runtime.config import add_stage_args, stage_config
+
+    monkeypatch.setenv("OMNISTAGE_LORA_DIR", str(tmp_path))  # the environment fallback
+    parser = argparse.ArgumentParser()
+    add_stage_args(parser, "dit-denoise")
+    args = parser.parse_args(
+        ["--model", str(tiny_model), "--device", "cpu", "--lora-bytes", "12345", "--lora-batching", "grouped"]
+    )
+    worker = DenoiseWorker(stage_config("dit-denoise", args))
+    try:
+        layers = worker.lora_layers()
+        assert (layers.max_bytes, layers.directory) == (12345, tmp_path)
+        assert worker.model.lora_grouped  # type: ignore[attr-defined]
+        assert worker.lora_names() == []
+    finally:
+        worker.close()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
-from omni_common.validation import check_request_id, to_request, with_defaults
+from omni_common.validation import check_request_id, check_takes_loras, to_request, with_defaults
 from omnistage.v1 import stage_pb2
 
 
@@ -62,3 +63,34 @@ def test_cfg_needs_scale_and_negative_prompt() -> None:
 def test_request_ids_are_restricted(bad: str) -> None:
     with pytest.raises(InvalidArgument):
         check_request_id(bad)
+
+
+def test_loras_keep_their_order_and_unset_scales() -> None:
+    refs = [stage_pb2.LoraRef(name="ink", scale=0.5), stage_pb2.LoraRef(name="water.color-2")]
+    assert to_request(params(loras=refs)).loras == (("ink", 0.5), ("water.color-2", None))
+
+
+@pytest.mark.parametrize(
+    ("refs", "message"),
+    [
+        ([stage_pb2.LoraRef(name=f"a{i}") for i in range(9)], "9 LoRA adapters named; the limit is 8"),
+        ([stage_pb2.LoraRef(name="../x")], "LoRA name '../x' is invalid"),
+        ([stage_pb2.LoraRef(name="")], "LoRA name '' is invalid"),
+        ([stage_pb2.LoraRef(name="a"), stage_pb2.LoraRef(name="a")], "'a' is named twice"),
+        ([stage_pb2.LoraRef(name="a", scale=math.inf)], "LoRA scale of 'a' is inf"),
+        ([stage_pb2.LoraRef(name="a", scale=101.0)], "LoRA scale of 'a' is 101.0"),
+    ],
+)
+def test_bad_loras_are_refused(refs: list[stage_pb2.LoraRef], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        to_request(params(loras=refs))
+
+
+def test_loras_for_a_family_without_them_are_refused() -> None:
+    from omni_common.models.glm_image.family import GlmImageFamily
+    from omni_common.models.qwenimage.family import QwenImageFamily
+
+    request = to_request(params(loras=[stage_pb2.LoraRef(name="a")]))
+    check_takes_loras(request, QwenImageFamily.card, "qwenimage")
+    with pytest.raises(InvalidArgument, match="glm-image models take no LoRA adapters"):
+        check_takes_loras(request, GlmImageFamily.card, "glm-image")

@@ -9,8 +9,9 @@ silently assumes 8 without one, so the factor is read from vae/config.json and p
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
 from omni_common.models.latents import LatentState, LatentSteps, latent_preview
+from omni_common.models.lora import LoraLayers, RowAdapters
 from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
+from omni_common.models.qwenimage.lora import read_qwenimage_lora
 from omni_common.models.qwenimage.step_cache import (
     StepCache,
     cached_forward,
@@ -66,6 +69,8 @@ class QwenImageDenoiseState(LatentState):
     negative_prompt_embeds_mask: torch.Tensor | None = None
     # The "step_cache" option's first-block cache (device tensors); None when it is off.
     step_cache: StepCache | None = None
+    # The request's LoRA adapters, held (acquired) until finish or release.
+    loras: RowAdapters = ()
 
 
 class QwenImageDenoiser(LatentSteps):
@@ -88,6 +93,11 @@ class QwenImageDenoiser(LatentSteps):
         self.dtype = dtype
         self.vae_scale_factor = vae_scale_factor
         self.graphed: GraphedTransformer | None = None
+        self.compiled = False
+        # Every linear layer of the DiT takes adapters (what diffusers' Qwen-Image LoRA files
+        # name); configure() sets their memory bound, directory and batching.
+        self.loras = LoraLayers(transformer, read_qwenimage_lora, device=device, dtype=dtype)
+        self.lora_grouped = False
         self.runners = {"denoise": self}
 
     @classmethod
@@ -110,6 +120,11 @@ class QwenImageDenoiser(LatentSteps):
     def configure(self, options: DenoiserOptions) -> None:
         """Attention backend, compilation and CUDA graphs, compiled and captured ahead for the
         sizes asked (warmup.py)."""
+        self.loras.max_bytes = options.lora_bytes
+        self.loras.directory = Path(options.lora_dir) if options.lora_dir else None
+        if options.lora_batching not in ("mixed", "grouped"):
+            raise InvalidArgument(f"LoRA batching is {options.lora_batching!r}; it is mixed or grouped")
+        self.lora_grouped = options.lora_batching == "grouped"
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
         if options.compile:
@@ -117,6 +132,7 @@ class QwenImageDenoiser(LatentSteps):
             # limit of 8 would leave later ones eager, silently.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.transformer.compile_repeated_blocks(fullgraph=True)
+            self.compiled = True
         if options.cuda_graphs:
             if self.device.type != "cuda":
                 raise InvalidArgument(f"CUDA graphs need a CUDA device; this denoiser runs on {self.device}")
@@ -176,6 +192,10 @@ class QwenImageDenoiser(LatentSteps):
         threshold = step_cache_threshold(request)
         if threshold > 0:
             check_cacheable(self.transformer)
+            if request.loras:
+                raise InvalidArgument("the step_cache option does not combine with LoRA adapters yet")
+        # Last: nothing after it may fail, or the adapters would stay held.
+        loras = self.loras.acquire(request.loras) if request.loras else ()
         return QwenImageDenoiseState(
             request=request,
             step_index=0,
@@ -189,6 +209,7 @@ class QwenImageDenoiser(LatentSteps):
             negative_prompt_embeds_mask=embeds.get("negative_prompt_embeds_mask"),
             img_shapes=img_shapes,
             step_cache=StepCache(threshold) if threshold > 0 else None,
+            loras=loras,
         )
 
     def batch_key(self, state: StepState) -> Hashable:
@@ -196,7 +217,22 @@ class QwenImageDenoiser(LatentSteps):
         # Cached steps run eagerly: they never batch with uncached ones (which keep their CUDA
         # graphs); thresholds may differ within a batch, the decision is per request.
         cached = step_cache_threshold(request) > 0
-        return (request.height, request.width, request.do_true_cfg, self.dtype, cached)
+        return (
+            request.height,
+            request.width,
+            request.do_true_cfg,
+            self.dtype,
+            cached,
+            self._lora_key(request),
+        )
+
+    def _lora_key(self, request: GenerationRequest) -> Hashable:
+        """Grouped: one forward per adapter set. Mixed: adapters of any set share a forward, and
+        requests without any join them on the CPU; on a GPU they keep to their own batches,
+        which replay CUDA graphs (a forward with adapters runs eagerly)."""
+        if self.lora_grouped:
+            return request.loras
+        return bool(request.loras) and self.device.type == "cuda"
 
     def step_cost(self, state: StepState) -> int:
         """Transformer image tokens of one step: (H/16)(W/16), doubled by CFG."""
@@ -209,6 +245,11 @@ class QwenImageDenoiser(LatentSteps):
         assert isinstance(state, QwenImageDenoiseState)
         if state.step_cache is not None:
             state.step_cache.drop()
+        self._release_loras(state)
+
+    def _release_loras(self, state: QwenImageDenoiseState) -> None:
+        held, state.loras = state.loras, ()
+        self.loras.release(held)
 
     def step(self, states: Sequence[StepState]) -> None:
         """Advance each state by one step, all of them in one transformer forward.
@@ -223,12 +264,30 @@ class QwenImageDenoiser(LatentSteps):
             raise ValueError("step() got states of different batch keys; group them by batch_key()")
         if len({id(state) for state in batch}) != len(batch):
             raise ValueError("step() got the same state twice")
-        if batch and batch[0].step_cache is not None:
-            self._step_cached(batch)
-        elif len(batch) == 1:
-            self._step_one(batch[0])
-        elif batch:
-            self._step_batch(batch)
+        if not batch:
+            return
+        # Rows of the forward: each state's, doubled with CFG when batched (cond, then uncond);
+        # a lone state's two CFG passes are forwards of one row each.
+        rows = [state.loras for state in batch]
+        if batch[0].request.do_true_cfg and (len(batch) > 1 or batch[0].step_cache is not None):
+            rows = rows + rows
+        with self.loras.rows(rows), self._eager_with_adapters():
+            if batch[0].step_cache is not None:
+                self._step_cached(batch)
+            elif len(batch) == 1:
+                self._step_one(batch[0])
+            else:
+                self._step_batch(batch)
+
+    @contextlib.contextmanager
+    def _eager_with_adapters(self) -> Iterator[None]:
+        """A step with adapters runs the transformer eagerly: CUDA graphs and compiled blocks
+        were made without the adapters' hooks (a graph would replay without them)."""
+        if self.loras.active and self.compiled:
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        else:
+            yield
 
     def _checked(self, state: StepState) -> QwenImageDenoiseState:
         if not isinstance(state, QwenImageDenoiseState):
@@ -323,7 +382,7 @@ class QwenImageDenoiser(LatentSteps):
         img_shapes: ImgShapes,
     ) -> torch.Tensor:
         embeds = embeds.to(self.dtype)
-        if self.graphed is not None:
+        if self.graphed is not None and not self.loras.active:
             replayed = self.graphed(latents, timestep, embeds, mask, img_shapes)
             if replayed is not None:
                 return replayed
@@ -352,6 +411,7 @@ class QwenImageDenoiser(LatentSteps):
         if state.step_cache is not None:
             log_reuse(state.step_cache, request)
             state.step_cache.drop()
+        self._release_loras(state)
         return StageState(
             tensors={"latents": state.latents},
             meta={"height": str(request.height), "width": str(request.width)},

@@ -72,7 +72,9 @@ class QwenImageFamily:
     """diffusers' QwenImagePipeline split into encode / denoise / decode."""
 
     name = "qwenimage"
-    card = ModelCard(inputs=("text",), outputs=("image",), options=OPTIONS, size_multiple=SIZE_MULTIPLE)
+    card = ModelCard(
+        inputs=("text",), outputs=("image",), options=OPTIONS, size_multiple=SIZE_MULTIPLE, loras=True
+    )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES
 

@@ -46,7 +46,8 @@ def test_batch_key_and_finish(split_runners) -> None:
     encoder, denoiser, _ = split_runners(torch.float32)
     request = GenerationRequest(prompt=SHORT, width=64, height=32, num_inference_steps=2)
     state = denoiser.prepare(request, encoder.encode([request])[0])
-    assert denoiser.batch_key(state) == (32, 64, False, torch.float32, False)  # no step cache
+    # no step cache; no adapters (mixed batching on the CPU: adapters do not split batches)
+    assert denoiser.batch_key(state) == (32, 64, False, torch.float32, False, False)
     assert state.total_steps == 2 and not denoiser.is_done(state)
     denoiser.step([state])
     denoiser.step([state])

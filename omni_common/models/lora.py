@@ -1,0 +1,512 @@
+"""LoRA adapters applied at run time, per batch row, to a model's linear layers.
+
+A family's step runner owns one `LoraLayers` over the module that takes adapters (Qwen-Image:
+the DiT) and hands it a reader that turns an adapter file into diffusers' key format
+(`<module path>.lora_A.weight` [rank, in], `<module path>.lora_B.weight` [out, rank]). The
+base weights are never changed: a forward hook on each adapted nn.Linear adds, for every batch
+row, `lora_B(lora_A(x)) * scaling` per adapter of that row, in the order the request named
+them. That is PEFT's unfused LoRA forward, term for term (`result + lora_B(lora_A(x)) *
+scaling`, scaling = scale * lora_alpha / rank), so one request equals diffusers'
+`load_lora_weights` + `set_adapters` bit for bit on the CPU in fp32, and `fuse_lora` up to the
+rounding of the fused weight. Rows of one forward may carry different adapters (or none), so
+requests with different adapters share one step: per adapter position (each row's first, second,
+... adapter) one batched LoRA forward, the rows' factors stacked, two bmm and per-row scalings,
+added to those rows only (benchmarks/lora.py: faster than a forward per adapter set).
+
+What a runner promises around a forward: `rows(...)` names each batch row's adapters (the
+hooks do nothing outside it), and `acquire` / `release` bracket a request's use of its
+adapters, which can then be neither removed nor evicted. Every method runs on the stage's one
+compute thread (between steps), except `names`, a snapshot any thread may read.
+
+Adapters are bounded in bytes: adding (or loading on demand from the replica's adapter
+directory) evicts the least recently used adapters that are neither pinned nor in use; an
+adapter that cannot fit is RESOURCE_EXHAUSTED. A file with unknown modules, wrong shapes, NaN
+or Inf, or parts this implementation does not apply (DoRA, lora_B biases, per-module alpha
+patterns) is INVALID_ARGUMENT, and nothing already loaded changes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from omni_common.models.weights import local_path, read_safetensors
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# PEFT's and diffusers' file name in an adapter directory.
+LORA_FILE = "pytorch_lora_weights.safetensors"
+A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
+
+# A reader turns an adapter file's tensors into diffusers' keys relative to the adapted module
+# (`<path>.lora_A.weight` / `.lora_B.weight`), with any alpha already folded into them.
+Reader = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def check_name(name: str) -> str:
+    """An adapter name: 1-64 letters, digits, '.', '_' or '-', not starting with a dot (it also
+    names a file in the adapter directory, so no path can hide in it)."""
+    if not NAME_PATTERN.fullmatch(name):
+        raise InvalidArgument(
+            f"adapter name {name[:80]!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
+        )
+    return name
+
+
+def adapter_file(path: Path) -> Path:
+    """The safetensors file of an adapter: the file itself, or in a directory PEFT's
+    `pytorch_lora_weights.safetensors` or its only `*.safetensors`."""
+    path = local_path(path, "LoRA adapter file or directory")
+    if path.is_file():
+        return path
+    if path.is_dir():
+        if (path / LORA_FILE).is_file():
+            return path / LORA_FILE
+        found = sorted(path.glob("*.safetensors"))
+        if len(found) == 1:
+            return found[0]
+        raise InvalidArgument(
+            f"adapter directory {path.name!r} holds {len(found)} .safetensors files; name one"
+        )
+    raise NotFound(f"no adapter file or directory at {str(path)[:200]!r}")  # removed meanwhile
+
+
+def lora_alpha(metadata: dict[str, str]) -> float | None:
+    """PEFT's lora_alpha from a diffusers-saved file's `lora_adapter_metadata`; None when the
+    file carries none (diffusers then takes alpha = each module's rank: a scaling of 1)."""
+    text = metadata.get("lora_adapter_metadata")
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise InvalidArgument("adapters with per-module rank or alpha patterns are not supported")
+        if config.get("use_dora") or config.get("use_rslora"):
+            raise InvalidArgument("DoRA and rsLoRA adapters are not supported")
+        alpha = config["lora_alpha"]
+        if not isinstance(alpha, int | float) or not math.isfinite(alpha):
+            raise ValueError(alpha)
+        return alpha
+    except (ValueError, KeyError, TypeError):
+        raise InvalidArgument("the adapter's lora_adapter_metadata is malformed") from None
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    """One loaded adapter: (lora_A, lora_B) per adapted module path, on the model's device."""
+
+    name: str
+    source: str
+    scale: float  # the default scale of requests that name none
+    lora_alpha: float | None  # None: each module's rank (scaling 1 x scale)
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int
+    rank: int
+    pinned: bool = False
+    users: int = 0  # requests holding it (acquire / release)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """What ListLoras says of one adapter."""
+
+    name: str
+    source: str
+    scale: float
+    rank: int
+    modules: int
+    nbytes: int
+    pinned: bool
+    users: int
+
+
+# One row's adapters: (adapter, the request's scale) in the order the request named them.
+RowAdapters = tuple[tuple[LoraAdapter, float], ...]
+# A slot's batched factors for one module: row index, lora_A [n, r, in], lora_B [n, out, r],
+# scaling [n, 1, 1].
+Stacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class LoraLayers:
+    """The adapters of one model (module `root`) and the hooks that apply them."""
+
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        reader: Reader,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_bytes: int = 1 << 30,
+        directory: Path | None = None,
+    ) -> None:
+        self.root = root
+        self.reader = reader
+        self.device = device
+        self.dtype = dtype
+        self.max_bytes = max_bytes
+        self.directory = directory  # where requests may name adapters not loaded yet
+        self.targets = {name: m for name, m in root.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.names: tuple[str, ...] = ()  # snapshot for other threads (StageInfo)
+        self._rows: list[RowAdapters] | None = None
+        # Rows of one forward by adapter position (Slot), None when all rows match.
+        self._slots: list[Slot] | None = None
+        # Per adapted module: the stacked factors of the last slot composition seen (a batch's
+        # composition repeats step after step).
+        self._stacks: dict[str, tuple[tuple[object, ...], Stacked]] = {}
+        self._uses: dict[str, int] = {}  # adapted module path -> adapters using it
+        self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
+
+    # -- control (AddLora / RemoveLora / ListLoras / PinLora) --------------------------------
+
+    def add(self, name: str, path: Path, scale: float = 1.0, pinned: bool = False) -> LoraInfo:
+        """Load an adapter file under `name` (replacing an unused adapter of that name)."""
+        return self.put(self.read(name, path, scale, pinned))
+
+    def read(self, name: str, path: Path, scale: float = 1.0, pinned: bool = False) -> LoraAdapter:
+        """Read and check an adapter file (any thread: it touches no loaded adapter)."""
+        check_name(name)
+        if not math.isfinite(scale):
+            raise InvalidArgument(f"adapter scale {scale} is not finite")
+        return self._read(name, path, scale, pinned)
+
+    def put(self, adapter: LoraAdapter) -> LoraInfo:
+        """Install a read adapter, replacing an unused one of its name."""
+        old = self.adapters.get(adapter.name)
+        if old is not None and old.users:
+            raise FailedPrecondition(
+                f"adapter {adapter.name!r} is in use by {old.users} requests; retry later"
+            )
+        if old is not None:
+            self._drop(old)
+        self._install(adapter)
+        return self.info(adapter)
+
+    def remove(self, name: str) -> None:
+        adapter = self._get(name)
+        if adapter.users:
+            raise FailedPrecondition(f"adapter {name!r} is in use by {adapter.users} requests; retry later")
+        self._drop(adapter)
+
+    def pin(self, name: str, pinned: bool) -> LoraInfo:
+        """A pinned adapter is never evicted."""
+        adapter = self._get(name)
+        adapter.pinned = pinned
+        return self.info(adapter)
+
+    def infos(self) -> list[LoraInfo]:
+        return [self.info(adapter) for adapter in self.adapters.values()]
+
+    @staticmethod
+    def info(adapter: LoraAdapter) -> LoraInfo:
+        return LoraInfo(
+            name=adapter.name,
+            source=adapter.source,
+            scale=adapter.scale,
+            rank=adapter.rank,
+            modules=len(adapter.layers),
+            nbytes=adapter.nbytes,
+            pinned=adapter.pinned,
+            users=adapter.users,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(adapter.nbytes for adapter in self.adapters.values())
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def acquire(self, loras: Sequence[tuple[str, float | None]]) -> RowAdapters:
+        """The adapters a request names, held until `release`; one not loaded comes from the
+        adapter directory when there is one, else NOT_FOUND."""
+        held: list[tuple[LoraAdapter, float]] = []
+        try:
+            for name, scale in loras:
+                adapter = self.adapters.get(name)
+                if adapter is None:
+                    adapter = self._load_on_demand(name)
+                adapter.users += 1
+                adapter.last_used = time.monotonic()
+                held.append((adapter, adapter.scale if scale is None else scale))
+        except BaseException:
+            self.release(tuple(held))
+            raise
+        return tuple(held)
+
+    def release(self, held: RowAdapters) -> None:
+        for adapter, _ in held:
+            adapter.users -= 1
+
+    @contextmanager
+    def rows(self, rows: Sequence[RowAdapters]) -> Iterator[None]:
+        """Apply each row's adapters in the forwards inside (rows = the batch's dimension 0).
+        A batch without any adapter is left alone (the hooks return at once)."""
+        self._rows = list(rows) if any(rows) else None
+        self._slots = None
+        if self._rows is not None and any(row != rows[0] for row in rows):
+            # Slot j: the rows with a j-th adapter, and that adapter and its weight for each.
+            slots = []
+            for j in range(max(len(row) for row in rows)):
+                members = [(i, row[j]) for i, row in enumerate(rows) if len(row) > j]
+                slots.append(Slot(tuple(i for i, _ in members), tuple(member for _, member in members)))
+            self._slots = slots
+        try:
+            yield
+        finally:
+            self._rows, self._slots = None, None
+
+    @property
+    def active(self) -> bool:
+        """Whether the current forward applies adapters (it must run eagerly: see the runner)."""
+        return self._rows is not None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _get(self, name: str) -> LoraAdapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise NotFound(f"no adapter {name[:80]!r} is loaded; loaded: {', '.join(self.names) or 'none'}")
+        return adapter
+
+    def _load_on_demand(self, name: str) -> LoraAdapter:
+        check_name(name)
+        if self.directory is None:
+            raise NotFound(
+                f"adapter {name!r} is not loaded on this replica (and it has no adapter directory)"
+            )
+        candidates = [self.directory / f"{name}.safetensors", self.directory / name]
+        path = next((p for p in candidates if p.exists()), None)
+        if path is None:
+            raise NotFound(f"adapter {name!r} is neither loaded nor in this replica's adapter directory")
+        adapter = self._read(name, path, 1.0, False)
+        self._install(adapter)
+        return adapter
+
+    def _read(self, name: str, path: Path, scale: float, pinned: bool) -> LoraAdapter:
+        file = adapter_file(path)
+        tensors, metadata = read_safetensors(file)
+        alpha = lora_alpha(metadata)
+        try:
+            converted = self.reader(tensors)
+        except (ValueError, KeyError) as err:
+            raise InvalidArgument(f"adapter {name!r} is not a LoRA file this model takes: {err}") from None
+        layers = self._checked_layers(name, converted)
+        nbytes = sum(a.nbytes + b.nbytes for a, b in layers.values())
+        return LoraAdapter(
+            name=name,
+            source=file.name,
+            scale=scale,
+            lora_alpha=alpha,
+            layers=layers,
+            nbytes=nbytes,
+            rank=max(a.shape[0] for a, _ in layers.values()),
+            pinned=pinned,
+        )
+
+    def _checked_layers(
+        self, name: str, tensors: dict[str, torch.Tensor]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if not tensors:
+            raise InvalidArgument(f"adapter {name!r} holds no LoRA weights for this model")
+        paths = set()
+        for key in tensors:
+            if key.endswith(A_SUFFIX):
+                paths.add(key.removesuffix(A_SUFFIX))
+            elif key.endswith(B_SUFFIX):
+                paths.add(key.removesuffix(B_SUFFIX))
+            else:
+                raise InvalidArgument(f"adapter {name!r}: {key[:120]!r} is no lora_A/lora_B weight")
+        layers = {}
+        for path in sorted(paths):
+            module = self.targets.get(path)
+            if module is None:
+                raise InvalidArgument(
+                    f"adapter {name!r} names module {path[:120]!r}, which this model has no linear layer at"
+                )
+            a, b = tensors.get(path + A_SUFFIX), tensors.get(path + B_SUFFIX)
+            if a is None or b is None:
+                raise InvalidArgument(f"adapter {name!r}: module {path!r} lacks its lora_A or lora_B")
+            rank = a.shape[0] if a.ndim == 2 else -1
+            if (
+                a.ndim != 2
+                or b.ndim != 2
+                or a.shape[1] != module.in_features
+                or b.shape != (module.out_features, rank)
+            ):
+                raise InvalidArgument(
+                    f"adapter {name!r}: module {path!r} takes lora_A [r, {module.in_features}] and lora_B "
+                    f"[{module.out_features}, r]; the file has {list(a.shape)} and {list(b.shape)}"
+                )
+            if not a.is_floating_point() or not b.is_floating_point():
+                raise InvalidArgument(f"adapter {name!r}: module {path!r} has non-float weights")
+            if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+                raise InvalidArgument(f"adapter {name!r}: module {path!r} has NaN or Inf weights")
+            layers[path] = (
+                a.to(self.device, self.dtype).contiguous(),
+                b.to(self.device, self.dtype).contiguous(),
+            )
+        return layers
+
+    def _install(self, adapter: LoraAdapter) -> None:
+        """Add it, then evict least recently used adapters (unpinned, unused) over the bound;
+        when it still does not fit it is taken out again: RESOURCE_EXHAUSTED."""
+        self.adapters[adapter.name] = adapter
+        for path in adapter.layers:
+            self._uses[path] = self._uses.get(path, 0) + 1
+            if path not in self._hooks:
+                self._hooks[path] = self.targets[path].register_forward_hook(self._hook(path))
+        idle = sorted(
+            (a for a in self.adapters.values() if a is not adapter and not a.pinned and not a.users),
+            key=lambda a: a.last_used,
+        )
+        while self.nbytes > self.max_bytes and idle:
+            self._drop(idle.pop(0))
+        self.names = tuple(self.adapters)
+        if self.nbytes > self.max_bytes:
+            self._drop(adapter)
+            raise ResourceExhausted(
+                f"adapter {adapter.name!r} ({adapter.nbytes} bytes) does not fit the adapter memory "
+                f"({self.max_bytes} bytes; {self.nbytes} held by pinned or busy adapters)"
+            )
+
+    def _drop(self, adapter: LoraAdapter) -> None:
+        if self.adapters.get(adapter.name) is not adapter:
+            return
+        del self.adapters[adapter.name]
+        self._stacks.clear()  # they hold its factors (and an id another adapter may take)
+        for path in adapter.layers:
+            self._uses[path] -= 1
+            if not self._uses[path]:
+                del self._uses[path]
+                self._hooks.pop(path).remove()
+        self.names = tuple(self.adapters)
+
+    def _hook(
+        self, path: str
+    ) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor | None]:
+        def apply(
+            module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], result: torch.Tensor
+        ) -> torch.Tensor | None:
+            rows = self._rows
+            if rows is None:
+                return None
+            return self._apply(path, inputs[0], result, rows)
+
+        return apply
+
+    @staticmethod
+    def _delta(
+        x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, adapter: LoraAdapter, weight: float
+    ) -> torch.Tensor:
+        """PEFT's LoRA term `lora_B(lora_A(x)) * scaling`, its scaling the set_adapters weight x
+        lora_alpha / r, computed in PEFT's order (the same float)."""
+        rank = a.shape[0]
+        alpha = rank if adapter.lora_alpha is None else adapter.lora_alpha
+        scaling = weight * alpha / rank
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scaling
+
+    def _apply(
+        self, path: str, x: torch.Tensor, result: torch.Tensor, rows: list[RowAdapters]
+    ) -> torch.Tensor:
+        """The layer's output plus each row's adapters, in the row's order. When every row has
+        the same adapters: `result + term` per adapter, PEFT's forward exactly. Otherwise one
+        batched LoRA forward per adapter position: the rows' factors stacked (ranks padded with
+        zeros), two bmm, each row's scaling, added to those rows (equal to the rows' own terms
+        up to float rounding)."""
+        if x.shape[0] != len(rows):
+            raise ValueError(f"LoRA rows: {len(rows)} given for a batch of {x.shape[0]} at {path}")
+        if self._slots is None:  # every row alike
+            for adapter, weight in rows[0]:
+                weights = adapter.layers.get(path)
+                if weights is not None:
+                    result = result + self._delta(x, *weights, adapter, weight)
+            return result
+        for number, slot in enumerate(self._slots):
+            stacked = self._stacked(path, number, slot)
+            if stacked is None:
+                continue
+            index, a, b, scaling = stacked
+            part = x.index_select(0, index)
+            flat = part.reshape(part.shape[0], -1, part.shape[-1])
+            term = torch.bmm(torch.bmm(flat, a.transpose(1, 2)), b.transpose(1, 2)) * scaling
+            # In place: the layer's fresh output; inference only (no autograd here).
+            result.index_add_(0, index, term.reshape(*part.shape[:-1], term.shape[-1]))
+        return result
+
+    def _stacked(self, path: str, number: int, slot: Slot) -> Stacked | None:
+        """(row index, lora_A [n, r, in], lora_B [n, out, r], scaling [n, 1, 1]) of the slot's
+        rows whose adapter adapts `path`; None when none does. Kept while the batch's
+        composition repeats (step after step), so a step makes no new device tensors."""
+        members = [
+            (row, a, w) for row, (a, w) in zip(slot.rows, slot.adapters, strict=True) if path in a.layers
+        ]
+        if not members:
+            return None
+        key = (number, *((row, id(adapter), weight) for row, adapter, weight in members))
+        cached = self._stacks.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        rank = max(adapter.layers[path][0].shape[0] for _, adapter, _ in members)
+        a_parts, b_parts, scalings = [], [], []
+        for _, adapter, weight in members:
+            a, b = adapter.layers[path]
+            pad = rank - a.shape[0]
+            a_parts.append(torch.nn.functional.pad(a, (0, 0, 0, pad)))  # zero rows: exact
+            b_parts.append(torch.nn.functional.pad(b, (0, pad)))
+            alpha = a.shape[0] if adapter.lora_alpha is None else adapter.lora_alpha
+            scalings.append(weight * alpha / a.shape[0])
+        stacked = (
+            torch.tensor([row for row, _, _ in members], device=self.device),
+            torch.stack(a_parts),
+            torch.stack(b_parts),
+            torch.tensor(scalings, device=self.device, dtype=self.dtype).view(-1, 1, 1),
+        )
+        self._stacks[path] = (key, stacked)
+        return stacked
+
+
+@dataclass(frozen=True)
+class Slot:
+    """The rows of a mixed batch that have an adapter at one position of their list (their
+    first, second, ...), in row order, and that adapter with its weight for each."""
+
+    rows: tuple[int, ...]
+    adapters: tuple[tuple[LoraAdapter, float], ...]
+
+
+def save_random_lora(
+    path: Path,
+    root: torch.nn.Module,
+    *,
+    prefix: str = "transformer.",
+    rank: int = 4,
+    seed: int = 0,
+    std: float = 0.05,
+    modules: Sequence[str] | None = None,
+) -> Path:
+    """A random adapter for every linear layer of `root` (or those in `modules`), written in
+    diffusers' key format (`<prefix><module>.lora_A.weight` / `.lora_B.weight`, fp32): test
+    fixtures and benchmarks, offline. Both factors are random (PEFT would start lora_B at zero)."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in root.named_modules():
+        if not isinstance(module, torch.nn.Linear) or (modules is not None and name not in modules):
+            continue
+        a = torch.randn(rank, module.in_features, generator=generator) * std
+        b = torch.randn(module.out_features, rank, generator=generator) * std
+        tensors[f"{prefix}{name}{A_SUFFIX}"], tensors[f"{prefix}{name}{B_SUFFIX}"] = a, b
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
