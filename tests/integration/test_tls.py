@@ -4,6 +4,7 @@ cluster's CA (plaintext, another CA, another name) gets nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import stat
 from collections.abc import Iterator
@@ -113,13 +114,16 @@ def test_clients_that_do_not_verify_the_cluster_ca_get_nothing(
 def test_plaintext_is_refused_off_loopback_unless_allowed(
     host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = grpc.aio.server()
-    with pytest.raises(SystemExit, match="refusing plaintext"):
-        bind(server, f"{host}:0", "test", TlsSettings())
-    monkeypatch.setenv("OMNISTAGE_ALLOW_PLAINTEXT", "1")
-    if host == "0.0.0.0":  # bindable here
-        port, said = bind(server, f"{host}:0", "test", TlsSettings())
-        assert port > 0 and said.startswith("PLAINTEXT")
+    async def check() -> None:
+        server = grpc.aio.server()
+        with pytest.raises(SystemExit, match="refusing plaintext"):
+            bind(server, f"{host}:0", "test", TlsSettings())
+        monkeypatch.setenv("OMNISTAGE_ALLOW_PLAINTEXT", "1")
+        if host == "0.0.0.0":  # bindable here
+            port, said = bind(server, f"{host}:0", "test", TlsSettings())
+            assert port > 0 and said.startswith("PLAINTEXT")
+
+    asyncio.run(check())
 
 
 def test_the_gateway_serves_https_and_reaches_the_coordinator_over_tls(
