@@ -127,6 +127,9 @@ class DenoiserOptions:
     attention_backend: str = ""
     # torch.compile the transformer's repeated blocks.
     compile: bool = False
+    # Devices one forward is spread over (a replica with --devices); above 1 rules out what
+    # cannot split (step caching, which runs the blocks outside the DiT's forward).
+    devices: int = 1
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import grpc
 import torch
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.imaging import input_images
@@ -57,6 +57,11 @@ class StageWorker(Protocol):
 
     @property
     def awake(self) -> bool: ...
+
+    @property
+    def device_name(self) -> str:
+        """StageInfo.device: the device, or the devices of a replica over several."""
+        ...
 
     @property
     def device_memory_bytes(self) -> int: ...
@@ -109,6 +114,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.transport = transport
         self.max_pixels = max_pixels
         self.draining = False
+        self.down = ""  # why the replica cannot serve any more (a device worker died); "" = it can
         self.feeds = Feeds()
         self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight, worker.step_totals)
 
@@ -118,7 +124,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             model=self.worker.model_name,
             family=self.worker.family.name,
             host_id=self.transport.host_id,
-            device=str(self.worker.device),
+            device=self.worker.device_name,
             dtype=str(self.worker.dtype).removeprefix("torch."),
             address=self.transport.address,
             queue_depth=self.worker.in_flight,
@@ -165,6 +171,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _check(self, request: stage_pb2.StageRequest) -> GenerationRequest:
         """The request's parameters, checked (not yet its images: see _with_images)."""
+        if self.down:
+            raise Unavailable(f"{self.worker.stage} {self.down}; retry on another replica")
         if self.draining:
             raise Unavailable(f"{self.worker.stage} is shutting down; retry on another replica")
         check_request_id(request.request_id)
@@ -322,6 +330,25 @@ async def serve_stage(
             task.cancel()
         if config.coordinator:
             background.append(asyncio.create_task(deregister(config.coordinator, servicer.info())))
+
+    async def lost(reason: str) -> None:
+        """A device worker died: this replica serves nothing more. Health NOT_SERVING (an
+        orchestrator restarts it), no more heartbeats, deregistered; calls in flight have
+        failed with UNAVAILABLE, so the coordinator resumes them elsewhere."""
+        log.error("%s: %s; the replica stops serving", config.stage, reason)
+        servicer.down = f"lost a device worker ({reason})"
+        servicer.draining = True
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in background:
+            task.cancel()
+        if config.coordinator:
+            await deregister(config.coordinator, servicer.info())
+
+    if hasattr(worker, "on_lost"):
+        loop = asyncio.get_running_loop()
+        worker.on_lost = lambda reason: loop.call_soon_threadsafe(
+            lambda: background.append(loop.create_task(lost(reason)))
+        )
 
     def cleanup() -> None:
         for task in background:

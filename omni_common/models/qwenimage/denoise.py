@@ -88,6 +88,7 @@ class QwenImageDenoiser(LatentSteps):
         self.dtype = dtype
         self.vae_scale_factor = vae_scale_factor
         self.graphed: GraphedTransformer | None = None
+        self.devices = 1  # devices one forward is spread over (DenoiserOptions.devices)
         self.runners = {"denoise": self}
 
     @classmethod
@@ -110,6 +111,7 @@ class QwenImageDenoiser(LatentSteps):
     def configure(self, options: DenoiserOptions) -> None:
         """Attention backend, compilation and CUDA graphs, compiled and captured ahead for the
         sizes asked (warmup.py)."""
+        self.devices = options.devices
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
         if options.compile:
@@ -175,6 +177,10 @@ class QwenImageDenoiser(LatentSteps):
         scheduler.set_begin_index(0)
         threshold = step_cache_threshold(request)
         if threshold > 0:
+            if self.devices > 1:
+                raise InvalidArgument(
+                    f"step_cache is not available on a replica spread over {self.devices} devices"
+                )
             check_cacheable(self.transformer)
         return QwenImageDenoiseState(
             request=request,
