@@ -272,6 +272,9 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
 def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
     if not args.model:
         raise SystemExit(f"{stage}: --model (or OMNISTAGE_MODEL) must name a local model directory")
+    devices = parse_devices(args.devices, args.gpus)
+    if devices and stage != "dit-denoise":
+        raise SystemExit(f"{stage}: --devices and --gpus are for dit-denoise; {stage} runs on --device")
     return StageConfig(
         stage=stage,
         model_dir=Path(args.model),
@@ -304,7 +307,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         attention_backend=args.attention_backend,
         compile=args.compile,
         compile_cache=args.compile_cache,
-        devices=parse_devices(args.devices, args.gpus),
+        devices=devices,
     )
 
 

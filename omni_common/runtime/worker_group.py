@@ -188,10 +188,12 @@ class WorkerGroup:
 
 
 def _error(reply: commands.Reply) -> OmniError:
+    """The error a rank answered with, as the same OmniError class (InvalidArgument, ...)."""
     code = getattr(grpc.StatusCode, reply.code, grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
         return OmniError(f"internal error in a device worker ({reply.error})")
-    return OmniError(reply.error, code)
+    kind = next((cls for cls in OmniError.__subclasses__() if cls.code == code), OmniError)
+    return kind(reply.error, code)
 
 
 @dataclass(kw_only=True)
