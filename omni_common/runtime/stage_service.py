@@ -331,24 +331,30 @@ async def serve_stage(
         if config.coordinator:
             background.append(asyncio.create_task(deregister(config.coordinator, servicer.info())))
 
+    # This service's own stop: the caller's `stop` ends it, and so does a lost device worker.
+    stopping = asyncio.Event()
+    if stop is not None:
+        outer = stop
+        background.append(asyncio.create_task(_relay(outer, stopping)))
+
     async def lost(reason: str) -> None:
-        """A device worker died: this replica serves nothing more. Health NOT_SERVING (an
-        orchestrator restarts it), no more heartbeats, deregistered; calls in flight have
-        failed with UNAVAILABLE, so the coordinator resumes them elsewhere."""
+        """A device worker died: the replica serves nothing more. Its calls in flight have
+        failed with UNAVAILABLE (the coordinator resumes them elsewhere); health turns
+        NOT_SERVING at once, then the usual drain deregisters it and waits until the
+        coordinator has fetched and released what it holds here (checkpoints), and the
+        process exits with an error, so its supervisor starts it again."""
         log.error("%s: %s; the replica stops serving", config.stage, reason)
         servicer.down = f"lost a device worker ({reason})"
-        servicer.draining = True
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        for task in background:
-            task.cancel()
-        if config.coordinator:
-            await deregister(config.coordinator, servicer.info())
+        stopping.set()
 
     if hasattr(worker, "on_lost"):
         loop = asyncio.get_running_loop()
-        worker.on_lost = lambda reason: loop.call_soon_threadsafe(
-            lambda: background.append(loop.create_task(lost(reason)))
-        )
+
+        def on_lost(reason: str) -> None:  # from the group's watcher thread
+            loop.call_soon_threadsafe(lambda: background.append(loop.create_task(lost(reason))))
+
+        worker.on_lost = on_lost
 
     def cleanup() -> None:
         for task in background:
@@ -367,8 +373,15 @@ async def serve_stage(
         is_idle=idle,
         on_stop=cleanup,
         ready=ready,
-        stop=stop,
+        stop=stopping,
         health_servicer=health_servicer,
         metrics=servicer.metrics.registry,
         metrics_port=config.metrics_port,
     )
+    if servicer.down:
+        raise SystemExit(f"{config.stage}: {servicer.down}")
+
+
+async def _relay(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
