@@ -44,8 +44,11 @@ from omni_common.runtime.worker import Worker
 
 log = logging.getLogger("omnistage.worker_group")
 
-TO_RANK_BYTES = 256 << 20  # a prepare carries the prompt embeddings (~14 MiB at full size with CFG)
-FROM_RANK_BYTES = 64 << 20  # finished latents, checkpoints, previews (1 MiB at 1024x1024)
+# Ring sizes in /dev/shm (a message may take half): a prepare carries the prompt embeddings
+# (~15 MB at full size with CFG, bf16); ranks answer with latents, checkpoints and previews
+# (0.5 MB at 1024x1024 in bf16). 80 MiB a device at most, touched as the rings fill.
+TO_RANK_BYTES = 64 << 20
+FROM_RANK_BYTES = 16 << 20
 POLL_S = 0.2  # how often a wait for the ranks checks that they are all alive
 START_TIMEOUT_S = 1800.0  # loading a full-size model on each device
 
