@@ -12,8 +12,8 @@ compare: PSNR of each N-GPU image against the 1-GPU one. One JSON line per measu
 the ratios against issue 18's targets (2 GPUs / 1 GPU <= 0.55 at 1024x1024, CFG too).
 
 The one-GPU replica runs at its best setting (torch.compile and CUDA graphs, `auto`); a
-replica over several GPUs runs its DiT eagerly (compiled blocks and graphs with collectives
-inside are not measured yet), so `--one-gpu-eager` adds the like-for-like 1-GPU eager row.
+replica over several GPUs compiles its blocks but captures no CUDA graphs (not measured with
+collectives inside yet), so `--one-gpu-eager` adds a 1-GPU row without either.
 """
 
 from __future__ import annotations

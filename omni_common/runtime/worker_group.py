@@ -94,6 +94,11 @@ class WorkerGroup:
             self.processes.append(process)
         try:
             ready = self._answers(range(len(self.devices)), START_TIMEOUT_S)
+        except Unavailable:
+            self.close()
+            raise SystemExit(
+                f"{config.stage}: the device workers did not start ({self.lost}); their log says why"
+            ) from None
         except BaseException:
             self.close()
             raise

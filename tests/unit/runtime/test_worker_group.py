@@ -88,6 +88,27 @@ def test_two_ranks_step_like_one_process(
     assert all(out.meta == {"height": "48", "width": "64"} for out in outputs)
 
 
+def test_compiled_blocks_trace_the_collectives(tiny_model: Path, local: QwenImageDenoiser) -> None:
+    """torch.compile (fullgraph) of the blocks with the all-to-alls inside, as on GPUs (auto):
+    the latents of one eager process, with and without CFG."""
+    config = StageConfig(
+        stage="dit-denoise", model_dir=tiny_model, devices=("cpu", "cpu"), threads=1, compile="on"
+    )
+    compiled = WorkerGroup(config, "denoise")
+    try:
+        runner = GroupRunner(compiled)
+        for cfg in (False, True):
+            ((request, inputs),) = requests(cfg, 1)
+            spread, alone = runner.prepare(request, inputs), local.prepare(request, inputs)
+            while not local.is_done(alone):
+                runner.step([spread])
+                local.step([alone])
+            latents = runner.finish(spread).tensors["latents"]
+            assert float((latents - alone.latents).abs().max()) <= TOLERANCE, cfg
+    finally:
+        compiled.close()
+
+
 def test_checkpoints_move_between_the_group_and_one_process(
     group: WorkerGroup, local: QwenImageDenoiser
 ) -> None:
