@@ -124,6 +124,11 @@ class Stepped:
 
 
 @dataclass(frozen=True)
+class Mapped:
+    """The rank has both its queues mapped (its first answer, before it loads anything)."""
+
+
+@dataclass(frozen=True)
 class Ready:
     """The rank has its model loaded and joined the group."""
 
@@ -145,6 +150,7 @@ def rank_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"
     )
+    outbox.put(Reply(rank, Mapped()))  # both queues are mapped here: the server may unlink them
     device = torch.device(devices[rank])
     threads = config.threads or max(1, (os.cpu_count() or 1) // len(devices))
     torch.set_num_threads(threads)

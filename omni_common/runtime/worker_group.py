@@ -11,7 +11,8 @@ server's own transport, as on one device.
 A worker that dies takes the replica with it: the group stops the other ranks (a step cannot
 finish without every rank), requests in flight fail with UNAVAILABLE so the coordinator resumes
 them on another replica from their last checkpoint, and the server turns its health
-NOT_SERVING and deregisters (`on_lost`). An orchestrator's liveness probe restarts it.
+NOT_SERVING, drains (deregistered) and exits with an error for its supervisor to restart it
+(`on_lost`, stage_service.serve_stage).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ class WorkerGroup:
             process.start()
             self.processes.append(process)
         try:
+            self._answers(range(len(self.devices)), START_TIMEOUT_S)  # Mapped
+            for queue in [*self.inboxes, *self.outboxes]:
+                queue.unlink()  # both sides have it mapped: no death can leak the segment now
             ready = self._answers(range(len(self.devices)), START_TIMEOUT_S)
         except Unavailable:
             self.close()
@@ -102,8 +106,6 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
-        for queue in [*self.inboxes, *self.outboxes]:
-            queue.unlink()  # both sides have it mapped: no name is left for a death to leak
         self.weight_bytes = sum(
             a.reply.value.weight_bytes for a in ready if isinstance(a.reply.value, commands.Ready)
         )
@@ -116,13 +118,13 @@ class WorkerGroup:
 
     def _watch(self) -> None:
         """Wait for any worker to exit; then the replica is lost."""
-        multiprocessing.connection.wait([process.sentinel for process in self.processes])
+        ended = multiprocessing.connection.wait([process.sentinel for process in self.processes])
         if self.lost:  # closing
             return
-        dead = next(p for p in self.processes if not p.is_alive())
-        self._lose(
-            f"the worker process on {self.devices[self.processes.index(dead)]} exited (code {dead.exitcode})"
-        )
+        rank = next(i for i, process in enumerate(self.processes) if process.sentinel in ended)
+        dead = self.processes[rank]
+        dead.join(timeout=5)  # its sentinel fires as it exits, a moment before it can be reaped
+        self._lose(f"the worker process on {self.devices[rank]} exited (code {dead.exitcode})")
 
     def _lose(self, reason: str) -> None:
         if self.lost:
