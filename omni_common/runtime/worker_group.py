@@ -304,6 +304,12 @@ class GroupWorker(Worker):
 
     def __init__(self, config: StageConfig) -> None:
         self.devices = config.devices
+        gpus = [int(device.split(":")[1]) for device in self.devices if device.startswith("cuda:")]
+        if gpus and max(gpus) >= torch.cuda.device_count():
+            raise SystemExit(
+                f"{config.stage}: --devices {','.join(self.devices)} needs {max(gpus) + 1} GPUs; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
         self.on_lost: Callable[[str], None] | None = None  # set by the server: health, deregister
         super().__init__(replace(config, device="cpu", threads=1))
         self.weight_bytes = self.model.group.weight_bytes  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
-from omni_common.errors import OmniError
+from omni_common.errors import OmniError, Unavailable
 from omni_common.runtime.rpc import sync_channel
 from tests.conftest import omnistage_segments
 from tests.e2e.conftest import IMAGE_TOL, generate_all
@@ -113,3 +113,29 @@ def test_a_dead_device_worker_fails_the_replica_over(tiny_model: Path, tmp_path:
     assert f"dit-denoise replica {group.health_address}" in coordinator_log and "moving on" in coordinator_log
     assert "lost a device worker" in group_log or "stops serving" in group_log
     assert omnistage_segments() == before
+
+
+def test_a_lone_replica_that_loses_a_worker_fails_its_requests_with_a_clear_status(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """With no other DiT replica to resume on, the request ends UNAVAILABLE, saying why."""
+    plan = loopback_plan(tiny_model, extra_env={"OMNISTAGE_REPLICA_WAIT_S": "1"}, replicas={"dit-denoise": 0})
+    group = stage_process(
+        "dit-denoise",
+        tiny_model,
+        plan[0].health_address,
+        "dit-denoise-group",
+        {"OMNISTAGE_DEVICES": "cpu,cpu", "OMNISTAGE_THREADS": "1"},
+    )
+    with LocalCluster([*plan, group], log_dir=tmp_path) as cluster:
+        workers = device_workers(cluster.processes["dit-denoise-group"].pid)
+        results: dict[int, object] = {}
+        denoising = threading.Semaphore(0)
+        threads = generate_all(cluster.coordinator, {0: {"prompt": "alone", **REQUEST}}, results, denoising)
+        assert denoising.acquire(timeout=120)
+        os.kill(workers[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(120)
+    error = results[0]
+    assert isinstance(error, Unavailable), error
+    assert "dit-denoise" in error.message and "retry" in error.message

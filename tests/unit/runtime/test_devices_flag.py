@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
+import torch
 
-from omni_common.runtime.config import add_stage_args, parse_devices, stage_config
+from omni_common.runtime.config import StageConfig, add_stage_args, parse_devices, stage_config
+from omni_common.runtime.worker_group import GroupWorker
 
 
 def test_gpus_is_shorthand_for_the_first_n_gpus() -> None:
@@ -41,3 +44,10 @@ def test_the_environment_sets_the_devices(monkeypatch: pytest.MonkeyPatch) -> No
     add_stage_args(parser, "dit-denoise")
     config = stage_config("dit-denoise", parser.parse_args(["--model", "/models/x"]))
     assert config.devices == ("cpu", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
+def test_a_replica_over_gpus_the_machine_lacks_stops_before_starting_workers(tiny_model: Path) -> None:
+    config = StageConfig(stage="dit-denoise", model_dir=tiny_model, devices=("cuda:0", "cuda:1"))
+    with pytest.raises(SystemExit, match="needs 2 GPUs; this machine has"):
+        GroupWorker(config)
