@@ -19,7 +19,13 @@ within itself, then each rank swaps its branch with its peer in the other half.
 Not bitwise the one-device forward: attention sums its keys in another order. Hooks (not a fork
 of the model): a forward pre-hook splits the image tokens, a hook on the rotary module splits its
 per-token embeddings, a hook on the DiT gathers its output, and the attention function the plan
-names is wrapped; every hook passes through untouched while no group is in use (`use`).
+names is replaced in its module by a wrapper (in the device worker processes only, which run
+nothing else); every hook passes through untouched while no group is in use (`use`).
+
+Why not diffusers' own context parallel (0.42, `enable_parallelism` with the model's `_cp_plan`):
+it cannot start without an accelerator (it takes the rank modulo the accelerator count: gloo on
+the CPU fails), it fixes one mesh per model while CFG parallel picks the group per forward, and
+it splits the text tokens too, so a prompt's length must divide by the ranks.
 """
 
 from __future__ import annotations
