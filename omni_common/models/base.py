@@ -55,6 +55,29 @@ class ModuleDeclaration:
 
 
 @dataclass(frozen=True)
+class SequenceParallelPlan:
+    """How a family's DiT splits across the devices of one replica (Ulysses sequence parallel,
+    omni_common/runtime/sequence_parallel.py): the image tokens are split across the ranks, the
+    text tokens are replicated, and attention exchanges heads for tokens around its core.
+
+    Every name is declarative, so the next family adds a plan, not a fork of the runtime: the
+    DiT module, the forward keyword arguments that hold its image tokens [B, N, C] (split on
+    dim 1; its output, element 0 of the returned tuple, is gathered on dim 1) and its text tokens
+    [B, L, C] (replicated), the submodule whose output element `rotary_output` holds per-image-token
+    rotary embeddings (split on dim 0), the attention function its attention processors call
+    with joint query/key/value [B, S, H, D] (text tokens first, then image tokens) as
+    "module:function", and the config key of its head count."""
+
+    module: str
+    tokens: str
+    text: str
+    rotary: str
+    rotary_output: int
+    attention: str
+    heads: str
+
+
+@dataclass(frozen=True)
 class ImageInput:
     """What validation and planning know of an input image without decoding its pixels."""
 
@@ -114,6 +137,9 @@ class DenoiserOptions:
     lora_bytes: int = 1 << 30
     lora_dir: str = ""
     lora_batching: str = "mixed"
+    # Devices one forward is spread over (a replica with --devices); above 1 rules out what
+    # cannot split (step caching, which runs the blocks outside the DiT's forward).
+    devices: int = 1
 
 
 @dataclass(frozen=True)
@@ -407,6 +433,11 @@ class ModelFamily(Protocol):
     @property
     def modules(self) -> ModuleDeclaration | None:
         """What sleep/wake and offload move; None makes workers scan the stage model's attributes."""
+        ...
+
+    @property
+    def parallel(self) -> SequenceParallelPlan | None:
+        """How its DiT splits over several devices of one replica; None: it does not."""
         ...
 
     def validate(self, request: GenerationRequest) -> None:

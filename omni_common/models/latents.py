@@ -4,6 +4,7 @@ after the first latents, so that is all another replica needs) and a cheap previ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,8 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import StageState, StepState
+
+Branch = Callable[[], torch.Tensor]
 
 
 @dataclass(kw_only=True)
@@ -28,6 +31,16 @@ class LatentSteps:
 
     device: torch.device
     dtype: torch.dtype
+    # Runs a step's two CFG branches (conditional, unconditional): a replica over several
+    # devices runs them on different ones (omni_common.runtime.sequence_parallel). None: both
+    # here, the conditional first.
+    cfg_branches: Callable[[Branch, Branch], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def branches(self, cond: Branch, uncond: Branch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conditional and unconditional predictions of one step."""
+        if self.cfg_branches is not None:
+            return self.cfg_branches(cond, uncond)
+        return cond(), uncond()
 
     def is_done(self, state: StepState) -> bool:
         return state.step_index >= state.total_steps

@@ -78,6 +78,9 @@ class StageConfig:
     lora_batching: str = "mixed"
     # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles.
     profile_dir: str = ""
+    # dit-denoise: the devices one replica spreads each step over, one worker process each
+    # (cuda:0,cuda:1 or cpu,cpu); () = one device, in this process (`device`).
+    devices: tuple[str, ...] = ()
 
     @property
     def bind_address(self) -> str:
@@ -152,6 +155,19 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--model", default=env("MODEL", ""), help="local diffusers model directory")
     parser.add_argument("--model-name", default=env("MODEL_NAME", ""), help="served name (default: dir name)")
     parser.add_argument("--device", default=env("DEVICE", "auto"), help="auto, cpu or cuda:N")
+    parser.add_argument(
+        "--devices",
+        default=env("DEVICES", ""),
+        help="dit-denoise: comma-separated devices one replica spreads each step over, one worker "
+        "process each (cuda:0,cuda:1; cpu,cpu with gloo); sequence parallel, and CFG parallel with "
+        "a negative prompt. Empty: one device (--device)",
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=int(env("GPUS", "0")),
+        help="dit-denoise: shorthand for --devices cuda:0,...,cuda:N-1 (0 or 1: one device)",
+    )
     parser.add_argument(
         "--dtype", default=env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16")
     )
@@ -297,6 +313,9 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
 def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
     if not args.model:
         raise SystemExit(f"{stage}: --model (or OMNISTAGE_MODEL) must name a local model directory")
+    devices = parse_devices(args.devices, args.gpus)
+    if devices and stage != "dit-denoise":
+        raise SystemExit(f"{stage}: --devices and --gpus are for dit-denoise; {stage} runs on --device")
     return StageConfig(
         stage=stage,
         model_dir=Path(args.model),
@@ -333,7 +352,28 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         lora_dir=args.lora_dir,
         lora_batching=args.lora_batching,
         profile_dir=args.profile_dir,
+        devices=devices,
     )
+
+
+def parse_devices(text: str, gpus: int) -> tuple[str, ...]:
+    """--devices / --gpus as a device list; () for one device."""
+    if text and gpus > 1:
+        raise SystemExit("give --devices or --gpus, not both")
+    devices = tuple(part.strip() for part in text.split(",") if part.strip())
+    if gpus > 1:
+        devices = tuple(f"cuda:{i}" for i in range(gpus))
+    for device in devices:
+        kind, _, index = device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cuda" and not index):
+            raise SystemExit(f"--devices takes cpu or cuda:N items, not {device!r}")
+    if len({d for d in devices if d != "cpu"}) != len([d for d in devices if d != "cpu"]):
+        raise SystemExit(f"--devices names a GPU twice: {','.join(devices)}")
+    if len({d.partition(":")[0] for d in devices}) > 1:
+        raise SystemExit("--devices mixes the CPU and GPUs; one kind per replica")
+    if len(devices) == 1:
+        raise SystemExit(f"--devices names one device; use --device {devices[0]} for that")
+    return devices
 
 
 def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:

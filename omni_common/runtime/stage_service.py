@@ -17,7 +17,7 @@ from typing import Protocol
 
 import grpc
 import torch
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.imaging import input_images
@@ -57,6 +57,11 @@ class StageWorker(ControlledWorker, Protocol):
 
     @property
     def awake(self) -> bool: ...
+
+    @property
+    def device_name(self) -> str:
+        """StageInfo.device: the device, or the devices of a replica over several."""
+        ...
 
     @property
     def device_memory_bytes(self) -> int: ...
@@ -113,6 +118,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.transport = transport
         self.max_pixels = max_pixels
         self.draining = False
+        self.down = ""  # why the replica cannot serve any more (a device worker died); "" = it can
         self.feeds = Feeds()
         self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight, worker.step_totals)
 
@@ -122,7 +128,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             model=self.worker.model_name,
             family=self.worker.family.name,
             host_id=self.transport.host_id,
-            device=str(self.worker.device),
+            device=self.worker.device_name,
             dtype=str(self.worker.dtype).removeprefix("torch."),
             address=self.transport.address,
             queue_depth=self.worker.in_flight,
@@ -170,6 +176,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def _check(self, request: stage_pb2.StageRequest) -> GenerationRequest:
         """The request's parameters, checked (not yet its images: see _with_images)."""
+        if self.down:
+            raise Unavailable(f"{self.worker.stage} {self.down}; retry on another replica")
         if self.draining:
             raise Unavailable(f"{self.worker.stage} is shutting down; retry on another replica")
         check_request_id(request.request_id)
@@ -328,6 +336,31 @@ async def serve_stage(
         if config.coordinator:
             background.append(asyncio.create_task(deregister(config.coordinator, servicer.info())))
 
+    # This service's own stop: the caller's `stop` ends it, and so does a lost device worker.
+    stopping = asyncio.Event()
+    if stop is not None:
+        outer = stop
+        background.append(asyncio.create_task(_relay(outer, stopping)))
+
+    async def lost(reason: str) -> None:
+        """A device worker died: the replica serves nothing more. Its calls in flight have
+        failed with UNAVAILABLE (the coordinator resumes them elsewhere); health turns
+        NOT_SERVING at once, then the usual drain deregisters it and waits until the
+        coordinator has fetched and released what it holds here (checkpoints), and the
+        process exits with an error, so its supervisor starts it again."""
+        log.error("%s: %s; the replica stops serving", config.stage, reason)
+        servicer.down = f"lost a device worker ({reason})"
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        stopping.set()
+
+    if hasattr(worker, "on_lost"):
+        loop = asyncio.get_running_loop()
+
+        def on_lost(reason: str) -> None:  # from the group's watcher thread
+            loop.call_soon_threadsafe(lambda: background.append(loop.create_task(lost(reason))))
+
+        worker.on_lost = on_lost
+
     def cleanup() -> None:
         for task in background:
             task.cancel()
@@ -345,8 +378,15 @@ async def serve_stage(
         is_idle=idle,
         on_stop=cleanup,
         ready=ready,
-        stop=stop,
+        stop=stopping,
         health_servicer=health_servicer,
         metrics=servicer.metrics.registry,
         metrics_port=config.metrics_port,
     )
+    if servicer.down:
+        raise SystemExit(f"{config.stage}: {servicer.down}")
+
+
+async def _relay(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()

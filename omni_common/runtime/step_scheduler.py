@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
+from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, Unavailable
 from omni_common.imaging import to_png
 from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
 from omni_common.runtime import tracing
@@ -356,6 +357,10 @@ class StepScheduler:
             job.end_wait()
         try:
             return await self.compute(self._advance, batch)
+        except Unavailable as lost:  # the replica cannot step at all (a device worker died)
+            for job in batch:
+                self._retire(job, lost)
+            return None
         except Exception:
             if len(batch) == 1:
                 self._fail(batch[0])
@@ -410,6 +415,10 @@ class StepScheduler:
         return device_ms
 
     def _fail(self, job: Job) -> None:
+        lost = sys.exc_info()[1]
+        if isinstance(lost, Unavailable):  # the caller moves the request to another replica
+            self._retire(job, lost)
+            return
         log.exception("request %s: %s step failed", job.call.request_id, self.name)
         self._retire(job, OmniError(f"internal error in {self.name} (request {job.call.request_id})"))
 

@@ -113,6 +113,11 @@ class Worker:
         }
 
     @property
+    def device_name(self) -> str:
+        """The device(s) this replica computes on, as StageInfo says it."""
+        return str(self.device)
+
+    @property
     def roles(self) -> list[str]:
         """The roles this replica serves, the stage's default (first) one first."""
         return [spec.name for spec in self.role_specs]

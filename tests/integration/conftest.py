@@ -18,12 +18,12 @@ from omni_common.runtime.stage_service import serve_stage
 from omni_common.transport import TensorTransport
 from services.ar_encoder.worker import EncoderWorker
 from services.coordinator.server import serve_coordinator
-from services.dit_denoise.worker import DenoiseWorker
+from services.dit_denoise.server import make_worker as make_denoise_worker
 from services.vae_decode.worker import DecodeWorker
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
-WORKERS = {"ar-encoder": EncoderWorker, "dit-denoise": DenoiseWorker, "vae-decode": DecodeWorker}
+WORKERS = {"ar-encoder": EncoderWorker, "dit-denoise": make_denoise_worker, "vae-decode": DecodeWorker}
 
 
 @dataclass

@@ -24,6 +24,7 @@ from omni_common.models.base import (
     Plan,
     PlanStep,
     RoleSpec,
+    SequenceParallelPlan,
     StageContext,
     StageModel,
     input_image_name,
@@ -84,6 +85,7 @@ class GlmImageFamily:
     )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES
+    parallel: SequenceParallelPlan | None = None  # one device per replica
 
     def validate(self, request: GenerationRequest) -> None:
         check_options(dict(request.options), self.card.options, self.name)

@@ -28,6 +28,7 @@ from omni_common.models.base import (
     Plan,
     PlanStep,
     RoleSpec,
+    SequenceParallelPlan,
     StageContext,
     StageModel,
 )
@@ -92,6 +93,7 @@ class QwenOmniFamily:
     )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES
+    parallel: SequenceParallelPlan | None = None  # one device per replica
 
     def validate(self, request: GenerationRequest) -> None:
         check_options(dict(request.options), self.card.options, self.name)

@@ -98,6 +98,7 @@ class QwenImageDenoiser(LatentSteps):
         # name); configure() sets their memory bound, directory and batching.
         self.loras = LoraLayers(transformer, read_qwenimage_lora, device=device, dtype=dtype)
         self.lora_grouped = False
+        self.devices = 1  # devices one forward is spread over (DenoiserOptions.devices)
         self.runners = {"denoise": self}
 
     @classmethod
@@ -125,6 +126,7 @@ class QwenImageDenoiser(LatentSteps):
         if options.lora_batching not in ("mixed", "grouped"):
             raise InvalidArgument(f"LoRA batching is {options.lora_batching!r}; it is mixed or grouped")
         self.lora_grouped = options.lora_batching == "grouped"
+        self.devices = options.devices
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
         if options.compile:
@@ -191,6 +193,10 @@ class QwenImageDenoiser(LatentSteps):
         scheduler.set_begin_index(0)
         threshold = step_cache_threshold(request)
         if threshold > 0:
+            if self.devices > 1:
+                raise InvalidArgument(
+                    f"step_cache is not available on a replica spread over {self.devices} devices"
+                )
             check_cacheable(self.transformer)
             if request.loras:
                 raise InvalidArgument("the step_cache option does not combine with LoRA adapters yet")
@@ -302,28 +308,41 @@ class QwenImageDenoiser(LatentSteps):
         latents = state.latents
         t = state.timesteps[state.step_index]
         timestep = t.expand(latents.shape[0]).to(latents.dtype)  # rounded in the model dtype
-        noise_pred = self._forward(
-            latents, timestep, state.prompt_embeds, state.prompt_embeds_mask, state.img_shapes
-        )
+
+        def cond() -> torch.Tensor:
+            embeds, mask = state.prompt_embeds, state.prompt_embeds_mask
+            return self._forward(latents, timestep, embeds, mask, state.img_shapes)
+
         if state.request.do_true_cfg:
-            assert state.negative_prompt_embeds is not None
-            neg_noise_pred = self._forward(
-                latents,
-                timestep,
-                state.negative_prompt_embeds,
-                state.negative_prompt_embeds_mask,
-                state.img_shapes,
+            negative = state.negative_prompt_embeds
+            assert negative is not None
+            noise_pred, neg_noise_pred = self.branches(
+                cond,
+                lambda: self._forward(
+                    latents, timestep, negative, state.negative_prompt_embeds_mask, state.img_shapes
+                ),
             )
             noise_pred = guide(noise_pred, neg_noise_pred, state.request.true_cfg_scale)
+        else:
+            noise_pred = cond()
         self._scheduler_step(state, noise_pred, t)
 
     @torch.inference_mode()
     def _step_batch(self, states: list[QwenImageDenoiseState]) -> None:
         """Several requests in one forward: per-sample timesteps and right-padded prompts with
-        a mask; with CFG the batch is doubled (all conditional, then all unconditional)."""
+        a mask; with CFG the batch is doubled (all conditional, then all unconditional), or,
+        when the CFG branches run on different devices, each branch is a forward of its own."""
+        if states[0].request.do_true_cfg and self.cfg_branches is not None:
+            cond, uncond = self._batch_inputs(states, "cond"), self._batch_inputs(states, "uncond")
+            preds = self.branches(lambda: self._forward_batch(cond), lambda: self._forward_batch(uncond))
+            noise_preds = torch.cat(preds)
+            self._batch_steps(states, noise_preds, cond.ts)
+            return
         batch = self._batch_inputs(states)
-        noise_preds = self._forward(batch.latents, batch.timestep, batch.embeds, batch.mask, batch.img_shapes)
-        self._batch_steps(states, noise_preds, batch.ts)
+        self._batch_steps(states, self._forward_batch(batch), batch.ts)
+
+    def _forward_batch(self, batch: BatchInputs) -> torch.Tensor:
+        return self._forward(batch.latents, batch.timestep, batch.embeds, batch.mask, batch.img_shapes)
 
     @torch.inference_mode()
     def _step_cached(self, states: list[QwenImageDenoiseState]) -> None:
@@ -339,16 +358,22 @@ class QwenImageDenoiser(LatentSteps):
         noise_preds = cached_forward(self.transformer, inputs, batch.img_shapes, caches, last)
         self._batch_steps(states, noise_preds, batch.ts)
 
-    def _batch_inputs(self, states: list[QwenImageDenoiseState]) -> BatchInputs:
+    def _batch_inputs(self, states: list[QwenImageDenoiseState], branch: str = "both") -> BatchInputs:
+        """The rows of one forward: with CFG ("both") the conditional then the unconditional
+        ones; "cond" or "uncond" for one branch alone."""
         latents = torch.cat([state.latents for state in states])
         ts = [state.timesteps[state.step_index] for state in states]
         timestep = torch.stack(ts).to(latents.dtype)  # each rounded in the model dtype, as alone
-        texts = [(state.prompt_embeds, state.prompt_embeds_mask) for state in states]
         img_shapes = [shape for state in states for shape in state.img_shapes]
-        if states[0].request.do_true_cfg:  # part of the batch key: equal for all
+        texts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        if branch != "uncond":
+            texts = [(state.prompt_embeds, state.prompt_embeds_mask) for state in states]
+        cfg = states[0].request.do_true_cfg  # part of the batch key: equal for all
+        if cfg and branch != "cond":
             for state in states:
                 assert state.negative_prompt_embeds is not None
                 texts.append((state.negative_prompt_embeds, state.negative_prompt_embeds_mask))
+        if cfg and branch == "both":
             latents = torch.cat([latents, latents])
             timestep = torch.cat([timestep, timestep])
             img_shapes = img_shapes + img_shapes

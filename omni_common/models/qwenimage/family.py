@@ -15,6 +15,7 @@ from omni_common.models.base import (
     Plan,
     PlanStep,
     RoleSpec,
+    SequenceParallelPlan,
     StageContext,
     StageModel,
 )
@@ -49,6 +50,19 @@ MODULES = ModuleDeclaration(
     layers=("transformer.transformer_blocks",),
 )
 
+# How the DiT splits over the devices of one replica (--devices): its image tokens split across
+# the ranks, its text tokens replicated (a prompt of any length, masks unchanged); the joint
+# attention exchanges heads for tokens (Ulysses) around diffusers' attention call.
+PARALLEL = SequenceParallelPlan(
+    module="transformer",
+    tokens="hidden_states",
+    text="encoder_hidden_states",
+    rotary="pos_embed",
+    rotary_output=0,
+    attention="diffusers.models.transformers.transformer_qwenimage:dispatch_attention_fn",
+    heads="num_attention_heads",
+)
+
 OPTIONS = (
     OptionSpec(
         "step_cache",
@@ -77,6 +91,7 @@ class QwenImageFamily:
     )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES
+    parallel: SequenceParallelPlan | None = PARALLEL
 
     def validate(self, request: GenerationRequest) -> None:
         """What this family adds to omni_common.validation's ranges: the patch grid, no images."""

@@ -1,0 +1,157 @@
+"""One dit-denoise replica over 2 GPUs (sequence parallel; CFG parallel with a negative prompt)
+against the same replica on 1 GPU, Qwen-Image at real size (random bf16 weights), one run.
+
+    omnistage fixture /tmp/qwen-image-full --random-weights full
+    python benchmarks/multi_gpu.py --model /tmp/qwen-image-full [--sizes 1024 512] [--gpus 1 2]
+
+For each GPU count, a cluster of real processes (coordinator, encoder, DiT, VAE; the encoder and
+the VAE on cuda:0, the DiT on cuda:0 alone or spread with --gpus N) serves, per size, a warm-up
+request, then `--runs` timed requests without CFG and `--runs` with a negative prompt (true
+CFG, guidance 4). Every process builds the same seeded weights on its device, so the images
+compare: PSNR of each N-GPU image against the 1-GPU one. One JSON line per measurement, then
+the ratios against issue 18's targets (2 GPUs / 1 GPU <= 0.55 at 1024x1024, CFG too).
+
+The one-GPU replica runs at its best setting (torch.compile and CUDA graphs, `auto`); a
+replica over several GPUs compiles its blocks but captures no CUDA graphs (not measured with
+collectives inside yet), so `--one-gpu-eager` adds a 1-GPU row without either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from omni_common.client import Client
+from omni_common.cluster import LocalCluster, loopback_plan
+
+PROMPT = "a watercolor lighthouse at dusk"
+NEGATIVE = "blurry, low quality"
+
+
+def emit(row: dict[str, object]) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def p50(samples: list[float]) -> float:
+    return round(statistics.median(samples), 1)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else round(10 * math.log10(1.0 / mse), 1)
+
+
+def plan_for(args: argparse.Namespace, gpus: int, eager: bool) -> list[Any]:
+    env = {
+        "OMNISTAGE_DEVICE": "cpu" if args.cpu else "cuda:0",
+        "OMNISTAGE_CAPTURE_SIZES": ",".join(f"{s}x{s}" for s in args.sizes),
+    }
+    plan = loopback_plan(args.model, dtype=args.dtype, extra_env=env)
+    for proc in plan:
+        if proc.name != "dit-denoise":
+            continue
+        if gpus > 1 and args.cpu:
+            proc.environment["OMNISTAGE_DEVICES"] = ",".join(["cpu"] * gpus)
+        elif gpus > 1:
+            proc.environment["OMNISTAGE_GPUS"] = str(gpus)
+        if eager:
+            proc.environment["OMNISTAGE_COMPILE"] = "off"
+            proc.environment["OMNISTAGE_CUDA_GRAPHS"] = "off"
+    return plan
+
+
+def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> dict[tuple[int, bool], Any]:
+    """{(size, cfg): (p50 ms, first image)} of one cluster."""
+    label = f"{gpus} GPU" + (" eager" if eager and gpus == 1 else "")
+    out: dict[tuple[int, bool], Any] = {}
+    started = time.perf_counter()
+    with (
+        LocalCluster(plan_for(args, gpus, eager), log_dir, start_timeout_s=1800) as cluster,
+        Client(cluster.coordinator) as client,
+    ):
+        emit({"dit": label, "start_s": round(time.perf_counter() - started, 1)})
+        for size in args.sizes:
+            for cfg in (False, True):
+                guidance = {"negative_prompt": NEGATIVE, "guidance": 4.0} if cfg else {"guidance": 1.0}
+                params = {"width": size, "height": size, "steps": args.steps, **guidance}
+                client.generate_result(f"{PROMPT}, warm-up", seed=99, **params)  # type: ignore[arg-type]
+                walls, image = [], None
+                for run in range(args.runs):
+                    t0 = time.perf_counter()
+                    result = client.generate_result(PROMPT, seed=run, return_tensor=run == 0, **params)  # type: ignore[arg-type]
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                    image = result.tensor if run == 0 else image
+                    dit_ms = result.compute_ms.get("denoise", 0.0)
+                out[(size, cfg)] = (p50(walls), image)
+                emit(
+                    {
+                        "dit": label,
+                        "size": size,
+                        "cfg": cfg,
+                        "p50_ms": p50(walls),
+                        "dit_compute_ms": round(dit_ms, 1),
+                    }
+                )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 512])
+    parser.add_argument(
+        "--gpus", type=int, nargs="+", default=[1, 2], help="GPU counts; the first is the baseline"
+    )
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--one-gpu-eager", type=int, default=1, help="1: also the 1-GPU DiT without compile/graphs"
+    )
+    parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    parser.add_argument(
+        "--cpu", action="store_true", help="gloo workers on the CPU: to try the script on a tiny model"
+    )
+    args = parser.parse_args()
+    if not args.cpu and torch.cuda.device_count() < max(args.gpus):
+        raise SystemExit(
+            f"benchmarks/multi_gpu.py needs {max(args.gpus)} CUDA devices; {torch.cuda.device_count()} here"
+        )
+    runs: dict[str, dict[tuple[int, bool], Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = args.logs or Path(tmp)
+        for gpus in args.gpus:
+            runs[f"{gpus}"] = measure(args, gpus, False, logs / f"gpus-{gpus}")
+        if args.one_gpu_eager:
+            runs["1-eager"] = measure(args, 1, True, logs / "gpus-1-eager")
+    base = runs[str(args.gpus[0])]
+    device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
+    summary: dict[str, object] = {"device": device, "steps": args.steps}
+    for gpus in args.gpus[1:]:
+        for (size, cfg), (ms, image) in runs[str(gpus)].items():
+            key = f"{gpus}gpu_over_{args.gpus[0]}gpu_{size}{'_cfg' if cfg else ''}"
+            summary[key] = round(ms / base[(size, cfg)][0], 3)
+            if "1-eager" in runs:
+                summary[key + "_vs_eager"] = round(ms / runs["1-eager"][(size, cfg)][0], 3)
+            if image is not None and base[(size, cfg)][1] is not None:
+                summary[f"psnr_db_{gpus}gpu_{size}{'_cfg' if cfg else ''}"] = psnr(
+                    image, base[(size, cfg)][1]
+                )
+    summary["targets"] = {"2gpu_over_1gpu_1024": "<= 0.55", "2gpu_over_1gpu_1024_cfg": "<= 0.55"}
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""One device worker process of a replica spread over several devices (worker_group.py starts
+one per device): it loads the family's stage model on its device, joins the replica's
+torch.distributed group (NCCL on GPUs, gloo on the CPU), applies the family's
+SequenceParallelPlan and serves the server process's commands from its ShmQueue.
+
+Every rank holds every request's state (latents, scheduler) and steps it identically: a
+forward's prediction is gathered on every rank, so the ranks never diverge, and rank 0 alone
+answers what reads a state (checkpoints, previews, the finished latents).
+
+The commands, typed: each is a frozen dataclass of plain values; its tensors travel beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from omni_common.errors import OmniError
+from omni_common.models.base import (
+    DenoiserOptions,
+    GenerationRequest,
+    StageContext,
+    StageState,
+    StepRunner,
+    StepState,
+)
+from omni_common.models.registry import family_for_model_dir
+from omni_common.runtime.config import StageConfig
+from omni_common.runtime.sequence_parallel import SequenceParallel
+from omni_common.runtime.shm_queue import ShmQueue
+
+log = logging.getLogger("omnistage.rank")
+
+POLL_S = 1.0  # how often an idle rank checks that its server process is still there
+# How long a collective may wait for a peer; a peer gone for longer fails the step (the server
+# notices a dead worker within a second and takes the replica out anyway).
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """A new request: its inputs come as tensors; `sid` names its state from now on."""
+
+    sid: int
+    request: GenerationRequest
+    meta: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Restore:
+    """Move a prepared state to a checkpoint (the checkpoint's tensors come beside it)."""
+
+    sid: int
+    meta: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of these states, in one forward (they share a batch key)."""
+
+    sids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Read:
+    """Rank 0 only: a state's checkpoint or preview."""
+
+    sid: int
+    what: str  # "checkpoint" or "preview"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A finished state's output (rank 0 answers with it); every rank drops the state."""
+
+    sid: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """An unfinished state leaves (cancelled, expired, failed)."""
+
+    sid: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A rank's answer to one command: `value` (plain values; tensors beside it), or the
+    status code name and message of the error it raised."""
+
+    rank: int
+    value: object = None
+    code: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the server's scheduler needs of a new state."""
+
+    key: Hashable
+    cost: int
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """After a step: each state's step index and whether its latents are finite."""
+
+    steps: tuple[int, ...]
+    finite: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """The rank has both its queues mapped (its first answer, before it loads anything)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The rank has its model loaded and joined the group."""
+
+    device: str
+    weight_bytes: int
+
+
+def rank_main(
+    rank: int,
+    devices: tuple[str, ...],
+    config: StageConfig,
+    role: str,
+    rendezvous: str,
+    inbox: ShmQueue,
+    outbox: ShmQueue,
+    parent: int,
+) -> None:
+    """The process's whole life: join, load, serve commands until Stop or the parent is gone."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"
+    )
+    outbox.put(Reply(rank, Mapped()))  # both queues are mapped here: the server may unlink them
+    device = torch.device(devices[rank])
+    threads = config.threads or max(1, (os.cpu_count() or 1) // len(devices))
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=len(devices),
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        runner, sp, weight_bytes = _load(config, role, device, len(devices))
+        outbox.put(Reply(rank, Ready(str(device), weight_bytes)))
+        _serve(rank, runner, sp, inbox, outbox, parent)
+    finally:
+        dist.destroy_process_group()
+
+
+def _load(
+    config: StageConfig, role: str, device: torch.device, world: int
+) -> tuple[StepRunner, SequenceParallel, int]:
+    family = family_for_model_dir(config.model_dir)
+    plan = family.parallel
+    if plan is None:
+        raise SystemExit(f"{family.name} does not declare how its DiT splits over devices")
+    options = DenoiserOptions(
+        max_batch=config.max_batch,
+        attention_backend=config.attention_backend,
+        capture_sizes=config.capture_sizes,
+        devices=world,
+    )
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    context = StageContext(device=device, dtype=dtypes[config.dtype], roles=(role,), denoiser=options)
+    model = family.load(config.stage, Path(config.model_dir), context)
+    runner = model.runners[role]
+    sp = SequenceParallel(model, plan, world)
+    if hasattr(runner, "cfg_branches"):
+        runner.cfg_branches = sp.branches
+    # torch.compile of the DiT's blocks (auto: on GPUs), the collectives traced inside them
+    # (checked on the CPU with gloo: the latents of eager). Configured once the hooks are in,
+    # inside the whole group, so its warm-up compiles the shapes a sequence parallel forward
+    # takes. No CUDA graphs: not measured with collectives inside.
+    compile_blocks = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
+    if compile_blocks and hasattr(runner, "configure"):
+        with sp.use(sp.full):
+            runner.configure(replace(options, compile=True))
+    weight_bytes = sum(p.numel() * p.element_size() for p in sp.dit.parameters())
+    return runner, sp, weight_bytes  # type: ignore[return-value]
+
+
+def _serve(
+    rank: int, runner: StepRunner, sp: SequenceParallel, inbox: ShmQueue, outbox: ShmQueue, parent: int
+) -> None:
+    states: dict[int, StepState] = {}
+    while True:
+        message = inbox.get(timeout=POLL_S)
+        if message is None:
+            if os.getppid() != parent:  # the server process is gone: so is this replica
+                return
+            continue
+        command, tensors = message
+        if isinstance(command, Stop):
+            return
+        try:
+            value, out = _run(command, tensors, runner, sp, states, rank)
+            reply = Reply(rank, value)
+        except OmniError as err:
+            reply, out = Reply(rank, code=err.code.name, error=err.message), {}
+        except Exception as err:  # a fault here: the server fails the request, the rank goes on
+            log.exception("rank %d: %s failed", rank, type(command).__name__)
+            reply, out = Reply(rank, code="INTERNAL", error=type(err).__name__), {}
+        outbox.put(reply, out, alive=lambda: os.getppid() == parent)
+
+
+def _run(
+    command: object,
+    tensors: dict[str, torch.Tensor],
+    runner: StepRunner,
+    sp: SequenceParallel,
+    states: dict[int, StepState],
+    rank: int,
+) -> tuple[object, dict[str, torch.Tensor]]:
+    """One command on this rank: (the reply's value, its tensors)."""
+    if isinstance(command, Prepare):
+        state = runner.prepare(command.request, StageState(tensors, dict(command.meta)))
+        states[command.sid] = state
+        return Prepared(runner.batch_key(state), runner.step_cost(state), state.total_steps), {}
+    if isinstance(command, Restore):
+        runner.restore(states[command.sid], StageState(tensors, dict(command.meta)))
+        return states[command.sid].step_index, {}
+    if isinstance(command, Step):
+        batch = [states[sid] for sid in command.sids]
+        with sp.use(sp.full):
+            runner.step(batch)
+        return Stepped(
+            tuple(state.step_index for state in batch),
+            tuple(bool(runner.is_finite(state)) for state in batch),
+        ), {}
+    if isinstance(command, Read):
+        state = states[command.sid]
+        if command.what == "preview":
+            picture = runner.preview(state)
+            return None, {} if picture is None else {"preview": torch.from_numpy(picture)}
+        checkpoint = runner.checkpoint(state)
+        return (None, {}) if checkpoint is None else (checkpoint.meta, checkpoint.tensors)
+    if isinstance(command, Finish):
+        output = runner.finish(states.pop(command.sid))
+        return (output.meta, output.tensors) if rank == 0 else (None, {})
+    if isinstance(command, Release):
+        if command.sid in states:
+            runner.release(states.pop(command.sid))
+        return None, {}
+    raise ValueError(f"unknown command {type(command).__name__}")

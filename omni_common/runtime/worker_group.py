@@ -1,0 +1,349 @@
+"""A replica spread over several devices: its server process starts one worker process per device
+(rank.py), supervises them, and drives them as one step-wise runner.
+
+The server process stays the replica's only gRPC endpoint and holds no model: its StepScheduler
+batches requests between steps exactly as on one device, and `GroupRunner` (a StepRunner) sends
+each prepare, step and finish to every rank through a ShmQueue per rank and direction (tensors as
+raw bytes in shared memory, never pickled); the ranks run each step together (sequence parallel,
+CFG parallel) and rank 0 answers with what the scheduler reads. Outputs leave through the
+server's own transport, as on one device.
+
+A worker that dies takes the replica with it: the group stops the other ranks (a step cannot
+finish without every rank), requests in flight fail with UNAVAILABLE so the coordinator resumes
+them on another replica from their last checkpoint, and the server turns its health
+NOT_SERVING, drains (deregistered) and exits with an error for its supervisor to restart it
+(`on_lost`, stage_service.serve_stage).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.process import BaseProcess
+
+import grpc
+import numpy as np
+import torch
+
+from omni_common.errors import FailedPrecondition, OmniError, Unavailable
+from omni_common.models.base import GenerationRequest, StageContext, StageModel, StageState, StepState
+from omni_common.runtime import rank as commands
+from omni_common.runtime.config import StageConfig
+from omni_common.runtime.memory import Transition
+from omni_common.runtime.shm_queue import ShmQueue
+from omni_common.runtime.worker import Worker
+
+log = logging.getLogger("omnistage.worker_group")
+
+# Ring sizes in /dev/shm (a message may take half): a prepare carries the prompt embeddings
+# (~15 MB at full size with CFG, bf16); ranks answer with latents, checkpoints and previews
+# (0.5 MB at 1024x1024 in bf16). 80 MiB a device at most, touched as the rings fill.
+TO_RANK_BYTES = 64 << 20
+FROM_RANK_BYTES = 16 << 20
+POLL_S = 0.2  # how often a wait for the ranks checks that they are all alive
+START_TIMEOUT_S = 1800.0  # loading a full-size model on each device
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One rank's reply to a command and the tensors that came with it."""
+
+    reply: commands.Reply
+    tensors: dict[str, torch.Tensor]
+
+
+class WorkerGroup:
+    """The worker processes of one replica, one per device, and the queues to them."""
+
+    def __init__(self, config: StageConfig, role: str) -> None:
+        self.devices = config.devices
+        self.lost = ""  # why the group is gone; "" while it serves
+        self.on_lost: Callable[[str], None] = lambda reason: None
+        context = multiprocessing.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="omnistage-group-")
+        rendezvous = os.path.join(self._dir, "rendezvous")
+        self.inboxes = [ShmQueue(context, TO_RANK_BYTES, config.shm_dir) for _ in self.devices]
+        self.outboxes = [ShmQueue(context, FROM_RANK_BYTES, config.shm_dir) for _ in self.devices]
+        self.processes: list[BaseProcess] = []
+        for rank in range(len(self.devices)):
+            process = context.Process(
+                target=commands.rank_main,
+                args=(
+                    rank,
+                    self.devices,
+                    config,
+                    role,
+                    rendezvous,
+                    self.inboxes[rank],
+                    self.outboxes[rank],
+                    os.getpid(),
+                ),
+                name=f"{config.stage}-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+        try:
+            self._answers(range(len(self.devices)), START_TIMEOUT_S)  # Mapped
+            for queue in [*self.inboxes, *self.outboxes]:
+                queue.unlink()  # both sides have it mapped: no death can leak the segment now
+            ready = self._answers(range(len(self.devices)), START_TIMEOUT_S)
+        except Unavailable:
+            self.close()
+            raise SystemExit(
+                f"{config.stage}: the device workers did not start ({self.lost}); their log says why"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        self.weight_bytes = sum(
+            a.reply.value.weight_bytes for a in ready if isinstance(a.reply.value, commands.Ready)
+        )
+        self._watcher = threading.Thread(target=self._watch, name="worker-group-watch", daemon=True)
+        self._watcher.start()
+        log.info("%d device workers ready on %s", len(self.devices), ", ".join(self.devices))
+
+    def _alive(self) -> bool:
+        return not self.lost and all(process.is_alive() for process in self.processes)
+
+    def _watch(self) -> None:
+        """Wait for any worker to exit; then the replica is lost."""
+        ended = multiprocessing.connection.wait([process.sentinel for process in self.processes])
+        if self.lost:  # closing
+            return
+        rank = next(i for i, process in enumerate(self.processes) if process.sentinel in ended)
+        dead = self.processes[rank]
+        dead.join(timeout=5)  # its sentinel fires as it exits, a moment before it can be reaped
+        self._lose(f"the worker process on {self.devices[rank]} exited (code {dead.exitcode})")
+
+    def _lose(self, reason: str) -> None:
+        if self.lost:
+            return
+        self.lost = reason
+        log.error("device group lost: %s; stopping its other workers", reason)
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        self.on_lost(reason)
+
+    def call(
+        self,
+        command: object,
+        tensors: dict[str, torch.Tensor] | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> list[Answer]:
+        """Send `command` to `ranks` (all by default) and wait for their answers; raises the
+        error a rank answered with, UNAVAILABLE once the group is lost."""
+        chosen = list(range(len(self.devices)) if ranks is None else ranks)
+        if self.lost:
+            raise Unavailable(f"this replica lost a device worker ({self.lost}); retry on another replica")
+        for rank in chosen:
+            try:
+                self.inboxes[rank].put(command, tensors, alive=self._alive)
+            except BrokenPipeError:
+                break  # _answers says why
+        return self._answers(chosen, None)
+
+    def _answers(self, ranks: Sequence[int], timeout: float | None) -> list[Answer]:
+        answers: list[Answer] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for rank in ranks:
+            while True:
+                message = self.outboxes[rank].get(POLL_S)
+                if message is not None:
+                    reply, tensors = message
+                    assert isinstance(reply, commands.Reply)
+                    answers.append(Answer(reply, tensors))
+                    break
+                if not self._alive():
+                    self._lose(self.lost or f"the worker process on {self.devices[rank]} is gone")
+                    raise Unavailable(
+                        f"this replica lost a device worker ({self.lost}); retry on another replica"
+                    )
+                if deadline is not None and time.monotonic() > deadline:
+                    raise SystemExit(
+                        f"the worker process on {self.devices[rank]} did not start in {timeout:.0f} s"
+                    )
+        for answer in answers:
+            if answer.reply.code:
+                raise _error(answer.reply)
+        return answers
+
+    def close(self) -> None:
+        """Stop the workers (Stop, then kill after a grace), free the queues."""
+        reason, self.lost = self.lost, self.lost or "closed"
+        if not reason:
+            for inbox, process in zip(self.inboxes, self.processes, strict=True):
+                if process.is_alive():
+                    with contextlib.suppress(BrokenPipeError, ValueError):
+                        inbox.put(commands.Stop(), alive=process.is_alive)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for queue in [*self.inboxes, *self.outboxes]:
+            queue.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _error(reply: commands.Reply) -> OmniError:
+    """The error a rank answered with, as the same OmniError class (InvalidArgument, ...)."""
+    code = getattr(grpc.StatusCode, reply.code, grpc.StatusCode.INTERNAL)
+    if code == grpc.StatusCode.INTERNAL:
+        return OmniError(f"internal error in a device worker ({reply.error})")
+    kind = next((cls for cls in OmniError.__subclasses__() if cls.code == code), OmniError)
+    return kind(reply.error, code)
+
+
+@dataclass(kw_only=True)
+class GroupState(StepState):
+    """The server's view of a request whose state lives on every rank (as `sid`)."""
+
+    sid: int
+    key: Hashable
+    cost: int
+    finite: bool = True
+
+
+class GroupRunner:
+    """A StepRunner whose every call runs on the group's ranks (rank.py does the work)."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+        self._ids = itertools.count()
+
+    def prepare(self, request: GenerationRequest, inputs: StageState) -> GroupState:
+        sid = next(self._ids)
+        answers = self.group.call(commands.Prepare(sid, request, dict(inputs.meta)), inputs.tensors)
+        prepared = answers[0].reply.value
+        assert isinstance(prepared, commands.Prepared)
+        return GroupState(
+            request=request,
+            step_index=0,
+            total_steps=prepared.total_steps,
+            sid=sid,
+            key=prepared.key,
+            cost=prepared.cost,
+        )
+
+    def batch_key(self, state: StepState) -> Hashable:
+        return _own(state).key
+
+    def step_cost(self, state: StepState) -> int:
+        return _own(state).cost
+
+    def step(self, states: Sequence[StepState]) -> None:
+        batch = [_own(state) for state in states]
+        stepped = self.group.call(commands.Step(tuple(state.sid for state in batch)))[0].reply.value
+        assert isinstance(stepped, commands.Stepped)
+        for state, index, finite in zip(batch, stepped.steps, stepped.finite, strict=True):
+            state.step_index, state.finite = index, finite
+
+    def is_done(self, state: StepState) -> bool:
+        return state.step_index >= state.total_steps
+
+    def is_finite(self, state: StepState) -> bool:
+        return _own(state).finite
+
+    def preview(self, state: StepState) -> np.ndarray | None:
+        tensors = self.group.call(commands.Read(_own(state).sid, "preview"), ranks=[0])[0].tensors
+        return tensors["preview"].numpy() if "preview" in tensors else None
+
+    def checkpoint(self, state: StepState) -> StageState | None:
+        answer = self.group.call(commands.Read(_own(state).sid, "checkpoint"), ranks=[0])[0]
+        meta = answer.reply.value
+        return None if meta is None else StageState(answer.tensors, dict(meta))  # type: ignore[call-overload]
+
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
+        answers = self.group.call(
+            commands.Restore(_own(state).sid, dict(checkpoint.meta)), checkpoint.tensors
+        )
+        state.step_index = int(answers[0].reply.value)  # type: ignore[call-overload]
+
+    def finish(self, state: StepState) -> StageState:
+        answer = self.group.call(commands.Finish(_own(state).sid))[0]
+        return StageState(answer.tensors, dict(answer.reply.value))  # type: ignore[call-overload]
+
+    def release(self, state: StepState) -> None:
+        if not self.group.lost:
+            self.group.call(commands.Release(_own(state).sid))
+
+    def forget_cuda_graphs(self) -> None:
+        """The ranks capture none."""
+
+
+def _own(state: StepState) -> GroupState:
+    if not isinstance(state, GroupState):
+        raise ValueError(f"a device group steps GroupState, not {type(state).__name__}")
+    return state
+
+
+@dataclass
+class GroupModel:
+    """The server process's stage model: one GroupRunner for its step-wise role."""
+
+    runners: dict[str, GroupRunner]
+    group: WorkerGroup
+
+
+class GroupWorker(Worker):
+    """The Worker of a replica spread over `config.devices`: no model in this process, the
+    role's runner is the device group. The server process computes nothing itself (its
+    `device` is the CPU); StageInfo names the group's devices."""
+
+    def __init__(self, config: StageConfig) -> None:
+        self.devices = config.devices
+        gpus = [int(device.split(":")[1]) for device in self.devices if device.startswith("cuda:")]
+        if gpus and max(gpus) >= torch.cuda.device_count():
+            raise SystemExit(
+                f"{config.stage}: --devices {','.join(self.devices)} needs {max(gpus) + 1} GPUs; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+        self.on_lost: Callable[[str], None] | None = None  # set by the server: health, deregister
+        super().__init__(replace(config, device="cpu", threads=1))
+        self.weight_bytes = self.model.group.weight_bytes  # type: ignore[attr-defined]
+
+    @property
+    def device_name(self) -> str:
+        return ",".join(self.devices)
+
+    def _load_model(self, context: StageContext) -> StageModel:
+        steps = [spec for spec in self.role_specs if spec.kind == "steps"]
+        if self.family.parallel is None or len(steps) != len(self.role_specs):
+            raise SystemExit(
+                f"{self.stage}: {self.family.name} does not declare how its DiT splits over devices; "
+                "serve it on one device (--device)"
+            )
+        if len(steps) != 1:
+            raise SystemExit(
+                f"{self.stage}: a replica over several devices serves one role; pick it with --roles"
+            )
+        if self.config.offload != "none":
+            raise SystemExit(f"{self.stage}: --offload {self.config.offload} is not available with --devices")
+        group = WorkerGroup(replace(self.config, devices=self.devices), steps[0].name)
+        group.on_lost = self._lost
+        return GroupModel({steps[0].name: GroupRunner(group)}, group)
+
+    def _lost(self, reason: str) -> None:
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+    async def sleep(self, level: int) -> Transition:
+        raise FailedPrecondition(f"{self.stage} over several devices does not sleep")
+
+    def close(self) -> None:
+        super().close()
+        model = self.model
+        if isinstance(model, GroupModel):
+            model.group.close()

@@ -1,0 +1,93 @@
+"""A dit-denoise replica over two gloo worker processes (--devices cpu,cpu) in a cluster of real
+gRPC servers: its images against a cluster whose DiT runs on one device in its own process.
+
+allclose, not bitwise: sequence parallel attends with a share of the heads per rank and CFG
+parallel runs each branch as its own forward; measured on the tiny fixture at 64x64, 4 steps,
+fp32: at most ~1e-6 on the image (printed by the test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from threading import Thread
+
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omni_common.client import Client
+from omni_common.runtime.rpc import sync_channel
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from tests.integration.conftest import InProcessCluster
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"width": 64, "height": 64, "steps": 4, "return_tensor": True}
+IMAGE_TOLERANCE = 1e-5  # the float image in [0, 1]; measured worst ~1e-6
+
+
+@pytest.fixture(scope="module")
+def spread(tiny_model: Path) -> Iterator[InProcessCluster]:
+    """The same cluster with its DiT replica over two CPU worker processes."""
+    running = InProcessCluster(
+        tiny_model, stage_options={"dit-denoise": {"devices": ("cpu", "cpu"), "threads": 1}}
+    )
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"seed": 5}, {"seed": 6, "negative_prompt": "blurry", "guidance": 4.0}],
+    ids=["no-cfg", "cfg"],
+)
+def test_two_workers_draw_the_one_device_image(
+    cluster: InProcessCluster, spread: InProcessCluster, params: dict[str, object]
+) -> None:
+    with Client(cluster.coordinator) as client:
+        one = client.generate_result("a red cat", **SMALL, **params)  # type: ignore[arg-type]
+    with Client(spread.coordinator) as client:
+        two = client.generate_result("a red cat", **SMALL, **params)  # type: ignore[arg-type]
+    assert one.tensor is not None and two.tensor is not None
+    worst = float(np.abs(one.tensor - two.tensor).max())
+    print(f"max |2 workers - 1 device| on the image ({sorted(params)}): {worst:.3g}")
+    assert worst <= IMAGE_TOLERANCE
+
+
+def test_concurrent_requests_each_get_their_own_image(
+    cluster: InProcessCluster, spread: InProcessCluster
+) -> None:
+    """Requests that overlap share the group's steps (continuous batching) and still each end
+    as their one-device image."""
+    prompts = ["a dog", "a small house near a tree", "the sky at sunset"]
+    got: dict[str, np.ndarray] = {}
+
+    def one(prompt: str) -> None:
+        with Client(spread.coordinator) as client:
+            result = client.generate_result(prompt, seed=1, **SMALL)  # type: ignore[arg-type]
+            assert result.tensor is not None
+            got[prompt] = result.tensor
+
+    threads = [Thread(target=one, args=(prompt,)) for prompt in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    with Client(cluster.coordinator) as client:
+        for prompt in prompts:
+            expected = client.generate_result(prompt, seed=1, **SMALL).tensor  # type: ignore[arg-type]
+            assert expected is not None
+            assert float(np.abs(got[prompt] - expected).max()) <= IMAGE_TOLERANCE, prompt
+
+
+def test_the_replica_is_one_stage_replica_naming_its_devices(spread: InProcessCluster) -> None:
+    with sync_channel(spread.addresses["dit-denoise"]) as channel:
+        info = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.StageInfoRequest(), timeout=10)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert info.device == "cpu,cpu" and info.stage == "dit-denoise" and info.roles == ["denoise"]
+    assert info.weight_bytes > 0
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with Client(spread.coordinator) as client:
+        assert client.list_models()[0].replicas["dit-denoise"] == 1
