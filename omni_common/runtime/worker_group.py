@@ -35,10 +35,12 @@ import grpc
 import numpy as np
 import torch
 
-from omni_common.errors import FailedPrecondition, OmniError, Unavailable
+from omni_common.errors import FailedPrecondition, OmniError, Unavailable, Unimplemented
 from omni_common.models.base import GenerationRequest, StageContext, StageModel, StageState, StepState
+from omni_common.models.lora import LoraLayers
 from omni_common.runtime import rank as commands
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.hot_reload import WeightsLoaded
 from omni_common.runtime.memory import Transition
 from omni_common.runtime.shm_queue import ShmQueue
 from omni_common.runtime.worker import Worker
@@ -341,6 +343,13 @@ class GroupWorker(Worker):
 
     async def sleep(self, level: int) -> Transition:
         raise FailedPrecondition(f"{self.stage} over several devices does not sleep")
+
+    def lora_layers(self) -> LoraLayers:
+        # The adapters would have to reach every device worker: not built yet.
+        raise Unimplemented(f"LoRA adapters are not available on a {self.stage} replica over several devices")
+
+    async def load_weights(self, paths: Sequence[str]) -> WeightsLoaded:
+        raise Unimplemented(f"LoadWeights is not available on a {self.stage} replica over several devices")
 
     def close(self) -> None:
         super().close()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from threading import Thread
 
+import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -91,3 +92,23 @@ def test_the_replica_is_one_stage_replica_naming_its_devices(spread: InProcessCl
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     with Client(spread.coordinator) as client:
         assert client.list_models()[0].replicas["dit-denoise"] == 1
+
+
+def test_what_does_not_spread_yet_is_refused_cleanly(spread: InProcessCluster, tmp_path: Path) -> None:
+    """LoRA adapters, weight pushes and sleep on a replica over several devices: a status that
+    says so, and the replica still serves."""
+    with sync_channel(spread.addresses["dit-denoise"]) as channel:
+        control = stage_pb2_grpc.StageControlStub(channel)
+        add = stage_pb2.AddLoraRequest(name="ink", path=str(tmp_path))
+        push = stage_pb2.LoadWeightsRequest(paths=[str(tmp_path)])
+        calls = [
+            (lambda: control.AddLora(add), "UNIMPLEMENTED"),
+            (lambda: control.LoadWeights(push), "UNIMPLEMENTED"),
+            (lambda: control.Sleep(stage_pb2.SleepRequest(level=1)), "FAILED_PRECONDITION"),
+        ]
+        for call, code in calls:
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            assert caught.value.code().name == code, caught.value.details()
+    with Client(spread.coordinator) as client:
+        assert client.generate_result("still serving", **SMALL).tensor is not None  # type: ignore[arg-type]
