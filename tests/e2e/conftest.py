@@ -34,18 +34,22 @@ def generate_all(
     requests: dict[int, dict[str, object]],
     results: dict[int, object],
     denoising: threading.Semaphore | None = None,
+    past_step: int = 1,
 ) -> list[threading.Thread]:
     """A thread per request (Client.events keyword arguments, the prompt among them), each
     putting its float image, or its error, in `results` under the request's key; `denoising`
-    is released once per request at its first denoising step."""
+    is released once per request when it has reported denoising step `past_step`."""
 
     def one(key: int, kwargs: dict[str, object]) -> None:
         with Client(address) as client:
             builder = ResultBuilder()
+            released = False
             try:
                 for event in client.events(**kwargs):  # type: ignore[arg-type]
-                    if event.HasField("step") and event.step.step == 1 and denoising is not None:
-                        denoising.release()
+                    if event.HasField("step") and event.step.step >= past_step and not released:
+                        released = True
+                        if denoising is not None:
+                            denoising.release()
                     builder.add(event)
                 results[key] = builder.build().tensor
             except OmniError as err:
@@ -65,16 +69,17 @@ def kill_mid_denoise(
     requests: dict[int, dict[str, object]],
     victim: str = "dit-denoise",
     after_kill: Callable[[], None] = lambda: None,
+    past_step: int = 1,
 ) -> str:
     """Run `requests` once uninterrupted, then again, killing `victim` with SIGKILL once every
-    request is denoising (then `after_kill()`); assert each resumed image equals its
-    uninterrupted one. Returns the coordinator's log, to say where requests went."""
+    request has reported step `past_step` (then `after_kill()`); assert each resumed image
+    equals its uninterrupted one. Returns the coordinator's log, to say where requests went."""
     expected: dict[int, object] = {}
     for thread in generate_all(cluster.coordinator, requests, expected):
         thread.join(120)
     results: dict[int, object] = {}
     denoising = threading.Semaphore(0)
-    threads = generate_all(cluster.coordinator, requests, results, denoising)
+    threads = generate_all(cluster.coordinator, requests, results, denoising, past_step)
     for _ in requests:
         assert denoising.acquire(timeout=120)
     assert not results, "the requests finished before the kill: make them longer"
