@@ -50,13 +50,18 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 class _AddsMetadata:
-    """Adds fixed metadata (a credential) to every call of an asyncio channel."""
+    """Adds metadata to every call of an asyncio channel: fixed entries (a credential) and
+    what `more()` gives at call time (the caller's trace context)."""
 
-    def __init__(self, metadata: Metadata) -> None:
+    def __init__(self, metadata: Metadata, more: Callable[[], Metadata] | None = None) -> None:
         self.metadata = metadata
+        self.more = more
 
     def _with(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self.metadata)
+        added = (*self.metadata, *(self.more() if self.more is not None else ()))
+        if not added:
+            return details
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *added)
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
@@ -107,8 +112,8 @@ def aio_channel(
     against `tls` (default: this process's OMNISTAGE_TLS_CA), plaintext without a CA."""
     tls = tls or client_settings()
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
-    interceptors = [kind(metadata) for kind in kinds] if metadata else []
-    interceptors += tracing.client_interceptors()  # the caller's trace context; none when off
+    more = tracing.context_metadata if tracing.enabled() else None  # nothing while tracing is off
+    interceptors = [kind(metadata, more) for kind in kinds] if metadata or more else []
     options = [*channel_options(keepalive_ms), *channel_name_options(tls)]
     credentials = channel_credentials(tls)
     if credentials is None:

@@ -194,33 +194,11 @@ def server_interceptors() -> tuple[grpc.aio.ServerInterceptor, ...]:
     return (_ServerSpans(),) if _tracer is not None else ()
 
 
-class _SendsContext:
-    """Adds the caller's current trace context, if any, to a call's metadata."""
+def context_metadata() -> tuple[tuple[str, str], ...]:
+    """The caller's current trace context as call metadata (rpc.aio_channel sends it while
+    tracing is on); empty outside a span."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    def _with(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        carrier: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(carrier)
-        if not carrier:
-            return details
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
-        )
-
-
-# grpc.aio files an interceptor under the first call kind it implements: one class per kind.
-class _UnaryUnary(_SendsContext, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._with(details), request)
-
-
-class _UnaryStream(_SendsContext, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._with(details), request)
-
-
-def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """For rpc.aio_channel: context propagation while tracing is on, nothing otherwise."""
-    return [_UnaryUnary(), _UnaryStream()] if _tracer is not None else []
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return tuple(carrier.items())
