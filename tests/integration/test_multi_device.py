@@ -15,6 +15,7 @@ from threading import Thread
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client
@@ -30,13 +31,17 @@ IMAGE_TOLERANCE = 1e-5  # the float image in [0, 1]; measured worst ~1e-6
 
 @pytest.fixture(scope="module")
 def spread(tiny_model: Path) -> Iterator[InProcessCluster]:
-    """The same cluster with its DiT replica over two CPU worker processes."""
+    """The same cluster with its DiT replica over two CPU worker processes. Its server process
+    sets torch's threads to 1 (it computes nothing): restored after, or later clusters in this
+    test process would add in another order than their references (4e-7 apart)."""
+    threads = torch.get_num_threads()
     running = InProcessCluster(
         tiny_model, stage_options={"dit-denoise": {"devices": ("cpu", "cpu"), "threads": 1}}
     )
     running.start()
     yield running
     running.stop()
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
