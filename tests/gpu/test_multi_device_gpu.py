@@ -1,0 +1,60 @@
+"""A dit-denoise replica over GPU worker processes (--devices cuda:...) on the tiny fixture:
+its image against the same DiT on one GPU in the server's own process (skipped without CUDA).
+
+One GPU runs the whole device path (a worker process, NCCL with one rank, the shared-memory
+rings, the gather); two GPUs add the all-to-alls of sequence parallel and CFG parallel.
+allclose, not bitwise: the all-to-alls change the summation order; eager on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from omni_common.client import Client
+from tests.integration.conftest import InProcessCluster
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL workers)"),
+]
+
+EAGER = {"compile": "off", "cuda_graphs": "off", "threads": 1}
+REQUEST = {"width": 64, "height": 64, "steps": 4, "return_tensor": True}
+IMAGE_TOLERANCE = 1e-4
+
+
+def image(dit: dict[str, object], model: Path, **params: object) -> np.ndarray:
+    cluster = InProcessCluster(model, stage_options={"dit-denoise": {**EAGER, **dit}})
+    cluster.start()
+    try:
+        with Client(cluster.coordinator) as client:
+            tensor = client.generate_result("a red cat", **REQUEST, **params).tensor  # type: ignore[arg-type]
+    finally:
+        cluster.stop()
+    assert tensor is not None
+    return tensor
+
+
+@pytest.fixture(autouse=True)
+def same_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("cfg", [False, True], ids=["plain", "cfg"])
+def test_gpu_workers_draw_the_one_gpu_image(tiny_model: Path, gpus: int, cfg: bool) -> None:
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    params = {"seed": 7, **({"negative_prompt": "blurry", "guidance": 4.0} if cfg else {})}
+    one = image({"device": "cuda:0"}, tiny_model, **params)
+    spread = image({"devices": tuple(f"cuda:{i}" for i in range(gpus))}, tiny_model, **params)
+    worst = float(np.abs(one - spread).max())
+    print(f"max |{gpus} GPU workers - one GPU in process| on the image (cfg={cfg}): {worst:.3g}")
+    assert worst <= IMAGE_TOLERANCE
