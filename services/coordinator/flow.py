@@ -311,6 +311,11 @@ class RequestFlow:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_failed(replica)
                 raise ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable") from None
+            if err.code() == grpc.StatusCode.CANCELLED:
+                # Not our cancel (that arrives as asyncio's): the replica's server stopped with
+                # the call in flight, a drain racing its deregistration.
+                self.pool.mark_failed(replica)
+                raise ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call") from None
             raise error_from_rpc(err) from None
         finally:
             if feeder is not None:

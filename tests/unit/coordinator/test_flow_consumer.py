@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import torch
 
 from omni_common.models.base import GenerationRequest
@@ -75,13 +77,34 @@ def test_each_stage_hears_its_consumers_host_namespace_and_gpu(tmp_path: Path) -
     assert (decode.consumer_host_id, decode.consumer_gpu_uuid) == (transport.host_id, "")
 
 
-def run_with_dit_replicas(tmp_path: Path, count: int) -> list[stage_pb2.StageRequest]:
-    """One request through a pool with `count` DiT replicas; the DiT calls it made."""
+class StoppingStub(RecordingStub):
+    """A stage that stops as the call comes: gRPC ends a call that races a server's stop with
+    CANCELLED (seen when a drained replica stopped before its deregistration reached the
+    coordinator)."""
+
+    def Run(
+        self, request: stage_pb2.StageRequest, timeout: float | None = None
+    ) -> AsyncIterator[stage_pb2.StageEvent]:
+        self.requests.append(request)
+
+        async def events() -> AsyncIterator[stage_pb2.StageEvent]:
+            empty = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, empty, empty, "CANCELLED")
+            yield  # an async generator
+
+        return events()
+
+
+def run_with_dit_replicas(
+    tmp_path: Path, count: int, first: type[RecordingStub] = RecordingStub
+) -> list[stage_pb2.StageRequest]:
+    """One request through a pool with `count` DiT replicas, the first of them a `first`;
+    the DiT calls it made."""
     pool = ReplicaPool()
     dits = []
     for stage in STAGES:
         for i in range(count if stage == "dit-denoise" else 1):
-            stub = RecordingStub()
+            stub = first() if stage == "dit-denoise" and i == 0 else RecordingStub()
             info = stage_pb2.StageInfo(stage=stage, model="m", host_id="h1", address=f"{stage}-{i}:1")
             pool.replicas.setdefault(stage, []).append(Replica(stage, info.address, stub, info=info))  # type: ignore[arg-type]
             if stage == "dit-denoise":
@@ -106,3 +129,8 @@ def test_the_dit_checkpoints_only_when_another_replica_could_resume(tmp_path: Pa
     assert alone.checkpoint_every == 0  # nothing to fail over to: checkpoints would only cost
     [with_peer] = run_with_dit_replicas(tmp_path, 2)
     assert with_peer.checkpoint_every == 5
+
+
+def test_a_call_cancelled_by_a_stopping_replica_moves_to_another(tmp_path: Path) -> None:
+    calls = run_with_dit_replicas(tmp_path, 2, first=StoppingStub)
+    assert len(calls) == 2  # the stopping replica's, then the other's (which finished it)
