@@ -103,6 +103,15 @@ async def cluster_side(
         started = time.perf_counter()
         await asyncio.gather(*(client_loop(client, w) for w in range(concurrency)))
         wall = time.perf_counter() - started
+    return steady_state(finished, firsts, lasts, wall)
+
+
+def steady_state(
+    finished: list[tuple[float, float, int]], firsts: list[float], lasts: list[float], wall: float
+) -> dict[str, float]:
+    """A closed loop's numbers: images/s between the moment every client has its first image
+    and the moment the first client is done (the whole run's too), and the latency of every
+    request but each client's first. `finished` holds (time done, ms, round) per request."""
     window_start, window_end = max(firsts), min(lasts)
     steady = sum(window_start < done <= window_end for done, _, _ in finished)
     latencies = [ms for _, ms, r in finished if r > 0]

@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from batching import p95
+from batching import steady_state
 from diffusers import QwenImagePipeline
 
 from omni_common.client import AsyncClient
@@ -88,16 +88,7 @@ async def cluster_side(address: str, size: int, steps: int, adapters: int, round
         started = time.perf_counter()
         await asyncio.gather(*(client_loop(client, w) for w in range(CONCURRENCY)))
         wall = time.perf_counter() - started
-    window_start, window_end = max(firsts), min(lasts)
-    steady = sum(window_start < done <= window_end for done, _, _ in finished)
-    latencies = [ms for _, ms, r in finished if r > 0]
-    whole_run = len(finished) / wall
-    return {
-        "images_per_s": steady / (window_end - window_start) if steady else whole_run,
-        "images_per_s_whole_run": whole_run,
-        "p50_ms": statistics.median(latencies),
-        "p95_ms": p95(latencies),
-    }
+    return steady_state(finished, firsts, lasts, wall)
 
 
 def diffusers_side(pipe: QwenImagePipeline, size: int, steps: int, adapters: int, repeats: int) -> float:
