@@ -22,6 +22,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,13 +78,10 @@ def diffusers_sides(pipe: QwenImagePipeline, size: int, steps: int, n: int, repe
 async def cluster_side(
     address: str, size: int, steps: int, concurrency: int, rounds: int
 ) -> dict[str, float]:
-    finished: list[tuple[float, float, int]] = []  # (time done, latency ms, round)
-    firsts: list[float] = []
-    lasts: list[float] = []
+    async with AsyncClient(address) as client:
+        await client.generate_result(PROMPTS[0], width=size, height=size, steps=steps)  # warm-up
 
-    async def client_loop(client: AsyncClient, worker: int) -> None:
-        for r in range(rounds):
-            started = time.perf_counter()
+        async def request(worker: int, r: int) -> None:
             await client.generate_result(
                 PROMPTS[(worker + r) % len(PROMPTS)],
                 width=size,
@@ -92,18 +90,33 @@ async def cluster_side(
                 seed=worker * 100 + r,
                 progress_every=steps,
             )
+
+        return await closed_loop(concurrency, rounds, request)
+
+
+async def closed_loop(
+    clients: int, rounds: int, request: Callable[[int, int], Awaitable[None]]
+) -> dict[str, float]:
+    """`clients` loops, each awaiting `request(client, round)` `rounds` times one after the
+    other, all at once; their steady_state numbers."""
+    finished: list[tuple[float, float, int]] = []  # (time done, latency ms, round)
+    firsts: list[float] = []
+    lasts: list[float] = []
+
+    async def client_loop(worker: int) -> None:
+        done = time.perf_counter()
+        for r in range(rounds):
+            started = time.perf_counter()
+            await request(worker, r)
             done = time.perf_counter()
             finished.append((done, (done - started) * 1e3, r))
             if r == 0:
                 firsts.append(done)
         lasts.append(done)
 
-    async with AsyncClient(address) as client:
-        await client.generate_result(PROMPTS[0], width=size, height=size, steps=steps)  # warm-up
-        started = time.perf_counter()
-        await asyncio.gather(*(client_loop(client, w) for w in range(concurrency)))
-        wall = time.perf_counter() - started
-    return steady_state(finished, firsts, lasts, wall)
+    started = time.perf_counter()
+    await asyncio.gather(*(client_loop(w) for w in range(clients)))
+    return steady_state(finished, firsts, lasts, time.perf_counter() - started)
 
 
 def steady_state(

@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from batching import steady_state
+from batching import closed_loop
 from diffusers import QwenImagePipeline
 
 from omni_common.client import AsyncClient
@@ -52,29 +52,6 @@ def loras_of(worker: int, adapters: int) -> list[tuple[str, float]]:
 
 
 async def cluster_side(address: str, size: int, steps: int, adapters: int, rounds: int) -> dict[str, float]:
-    finished: list[tuple[float, float, int]] = []  # (time done, latency ms, round)
-    firsts: list[float] = []
-    lasts: list[float] = []
-
-    async def client_loop(client: AsyncClient, worker: int) -> None:
-        done = time.perf_counter()
-        for r in range(rounds):
-            started = time.perf_counter()
-            await client.generate_result(
-                PROMPTS[(worker + r) % len(PROMPTS)],
-                width=size,
-                height=size,
-                steps=steps,
-                seed=worker * 100 + r,
-                progress_every=steps,
-                loras=loras_of(worker, adapters),
-            )
-            done = time.perf_counter()
-            finished.append((done, (done - started) * 1e3, r))
-            if r == 0:
-                firsts.append(done)
-        lasts.append(done)
-
     async with AsyncClient(address) as client:
         # Warm-up: every adapter loads (from the adapter directory) before the clock starts.
         await asyncio.gather(
@@ -85,10 +62,19 @@ async def cluster_side(address: str, size: int, steps: int, adapters: int, round
                 for w in range(max(adapters, 1))
             )
         )
-        started = time.perf_counter()
-        await asyncio.gather(*(client_loop(client, w) for w in range(CONCURRENCY)))
-        wall = time.perf_counter() - started
-    return steady_state(finished, firsts, lasts, wall)
+
+        async def request(worker: int, r: int) -> None:
+            await client.generate_result(
+                PROMPTS[(worker + r) % len(PROMPTS)],
+                width=size,
+                height=size,
+                steps=steps,
+                seed=worker * 100 + r,
+                progress_every=steps,
+                loras=loras_of(worker, adapters),
+            )
+
+        return await closed_loop(CONCURRENCY, rounds, request)
 
 
 def diffusers_side(pipe: QwenImagePipeline, size: int, steps: int, adapters: int, repeats: int) -> float:
