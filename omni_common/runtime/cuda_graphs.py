@@ -92,7 +92,8 @@ class CudaGraphCache:
         self.max_graphs = max_graphs
         self.warmup_runs = warmup_runs
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
-        self._eager: set[Hashable] = set()  # keys that cannot be captured or gain nothing
+        self._eager: set[Hashable] = set()  # decision keys that cannot be captured or gain nothing
+        self._speedups: dict[Hashable, float] = {}  # decision keys timed in this process
         self._pool = torch.cuda.graph_pool_handle()
         # Warm-up and capture share one side stream: libraries (cuBLAS, cuDNN) set up
         # per-stream workspaces on first use, which must not happen inside a capture.
@@ -110,18 +111,27 @@ class CudaGraphCache:
         """Drop every graph and give their memory back (the weights are about to move)."""
         self._graphs.clear()
         self._eager.clear()
+        self._speedups.clear()
         torch.cuda.empty_cache()
 
-    def run(self, key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]) -> torch.Tensor | None:
+    def run(
+        self,
+        key: Hashable,
+        inputs: Inputs,
+        fn: Callable[[Inputs], torch.Tensor],
+        decision_key: Hashable | None = None,
+    ) -> torch.Tensor | None:
         """`fn(inputs)` by replaying the graph of `key` (captured now if new); None when
         `fn` cannot be captured or its replay is no faster: the caller runs it eagerly.
         Every call of one key must pass inputs of the same shapes and dtypes; `fn` must read
-        nothing but `inputs` and state that stays put (weights)."""
+        nothing but `inputs` and state that stays put (weights). Keys of one `decision_key`
+        (default: the key itself) share whether a replay pays, timed once."""
         captured = self._graphs.get(key)
         if captured is None:
-            if key in self._eager:
+            decision_key = key if decision_key is None else decision_key
+            if decision_key in self._eager:
                 return None
-            captured = self._capture(key, inputs, fn)
+            captured = self._capture(key, decision_key, inputs, fn)
             if captured is None:
                 return None
         self._graphs.move_to_end(key)
@@ -131,11 +141,13 @@ class CudaGraphCache:
         return captured.output.clone()
 
     def _capture(
-        self, key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]
+        self, key: Hashable, decision_key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]
     ) -> _Captured | None:
-        known = self.decisions.get(key) if self.decisions is not None else None
-        if known is not None and not _pays(known):  # timed on an earlier start: no gain
-            self._eager.add(key)
+        known = self._speedups.get(decision_key)
+        if known is None and self.decisions is not None:
+            known = self.decisions.get(decision_key)
+        if known is not None and not _pays(known):  # timed before: no gain
+            self._eager.add(decision_key)
             return None
         static = {name: value.clone() for name, value in inputs.items()}
         graph = torch.cuda.CUDAGraph()
@@ -158,17 +170,18 @@ class CudaGraphCache:
             except RuntimeError as err:
                 # Something in `fn` is not capturable (a host sync, a host-to-device copy):
                 # this shape runs eagerly from now on, which is slower but correct.
-                self._eager.add(key)
+                self._eager.add(decision_key)
                 log.warning("cannot capture a CUDA graph for %s; running it eagerly: %s", key, err)
                 return None
             if known is not None:  # paid on an earlier start: nothing to time again
                 return self._keep(key, _Captured(graph, static, output, known))
             replay_s = min(self._timed(graph.replay) for _ in range(2))
         speedup = eager_s / replay_s
+        self._speedups[decision_key] = speedup
         if self.decisions is not None:
-            self.decisions.put(key, speedup)
+            self.decisions.put(decision_key, speedup)
         if not _pays(speedup):
-            self._eager.add(key)
+            self._eager.add(decision_key)
             log.info(
                 "no CUDA graph for %s: a replay takes %.1f ms, eager %.1f ms",
                 key,

@@ -174,6 +174,16 @@ class Worker:
             copy_weights(planned_copies(modules.by_role[STAGE_ROLES[self.stage]], self.pushed))
         return model
 
+    def _copy_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> WeightsLoaded:
+        """copy_weights, then each runner drops what it computed from the old values (a
+        runner's optional `weights_changed`), before any later step runs."""
+        done = copy_weights(pairs)
+        for runner in self.model.runners.values():
+            changed = getattr(runner, "weights_changed", None)
+            if changed is not None:
+                changed()
+        return done
+
     def _forget_cuda_graphs(self) -> None:
         for spec in self.role_specs:
             if spec.kind == "steps":
@@ -346,7 +356,7 @@ class Worker:
         async with self._memory_lock:
             self._check_awake()  # shapes are checked against the weights on the device
             pairs = await asyncio.to_thread(planned_copies, modules, tensors)
-            done = await self.compute(copy_weights, pairs)
+            done = await self.compute(self._copy_weights, pairs)
             self.sleeper.drop_host_copy()  # a level-1 sleep copies the new weights again
             if self.sleeper.reload is not None:
                 self.pushed.update(tensors)

@@ -17,6 +17,7 @@ from omni_common.models.base import DenoiserOptions, GenerationRequest, StageSta
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
+from omni_common.models.qwenimage.warmup import REAL_TEXT_TOKENS
 from omni_common.runtime.memory import WeightSleeper, discover_modules
 
 pytestmark = [
@@ -84,9 +85,31 @@ def test_graphs_are_captured_again_after_the_weights_moved(denoiser) -> None:
 def test_sizes_asked_for_are_captured_at_load(tiny_model: Path) -> None:
     options = DenoiserOptions(cuda_graphs=True, capture_sizes=((64, 64),), max_batch=2)
     denoiser = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
-    assert len(denoiser.graphed.cache) == 4  # batches 1 and 2, prompts of up to 32 and 64 tokens
-    graphed(denoiser, *forward_inputs(denoiser, 2, 0))
-    assert len(denoiser.graphed.cache) == 4  # served by a graph captured ahead
+    # One request with a prompt of REAL_TEXT_TOKENS[0] tokens; two of different lengths
+    # padded to 32 and to 64 tokens.
+    assert len(denoiser.graphed.cache) == 3
+    latents, timestep, embeds, img_shapes = forward_inputs(denoiser, 1, 0)
+    embeds = torch.cat([embeds, embeds], dim=1)[:, : REAL_TEXT_TOKENS[0]]
+    graphed(denoiser, latents, timestep, embeds, img_shapes)
+    latents, timestep, embeds, img_shapes = forward_inputs(denoiser, 2, 0)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=DEVICE)
+    mask[1, 5:] = 0  # the second prompt is shorter
+    with torch.inference_mode():
+        denoiser._forward(latents, timestep, embeds, mask, img_shapes)
+    assert len(denoiser.graphed.cache) == 3  # both served by graphs captured ahead
+
+
+def test_a_lone_prompt_replays_a_graph_of_its_own_length_without_a_mask(denoiser) -> None:
+    """Unmasked prompts of one length keep attention's fastest kernel: their graph is of that
+    exact length, no mask; a new length is a new graph, whose keeping was decided once."""
+    for length in (9, 13):
+        latents, timestep, embeds, img_shapes = forward_inputs(denoiser, 1, length)
+        embeds = torch.cat([embeds, embeds], dim=1)[:, :length]
+        args = (latents, timestep, embeds, img_shapes)
+        torch.testing.assert_close(graphed(denoiser, *args), eager(denoiser, *args), atol=ATOL, rtol=0)
+    captured = denoiser.graphed.cache._graphs
+    assert [key[-1] for key in captured] == [9, 13]
+    assert all("mask" not in graph.inputs for graph in captured.values())
 
 
 def test_a_whole_denoise_with_graphs_matches_eager(tiny_model: Path, denoiser) -> None:

@@ -87,6 +87,7 @@ def test_a_weight_push_is_followed_by_the_captured_graphs(runners) -> None:  # t
     }
     for denoiser in (fast, eager):
         copy_weights(planned_copies([("transformer", denoiser.transformer)], new))
+        denoiser.weights_changed()  # as the worker does after LoadWeights (its packed modulation)
     [got] = latents(encoder, fast, [request(5)])
     [expected] = latents(encoder, eager, [request(5)])
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)

@@ -111,9 +111,7 @@ def test_clients_that_do_not_verify_the_cluster_ca_get_nothing(
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7"])
-def test_plaintext_is_refused_off_loopback_unless_allowed(
-    host: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_plaintext_is_refused_off_loopback_unless_allowed(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def check() -> None:
         server = grpc.aio.server()
         with pytest.raises(SystemExit, match="refusing plaintext"):

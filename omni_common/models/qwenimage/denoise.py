@@ -34,6 +34,8 @@ from omni_common.models.latents import LatentState, LatentSteps, latent_preview
 from omni_common.models.lora import LoraLayers, RowAdapters
 from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
 from omni_common.models.qwenimage.lora import read_qwenimage_lora
+from omni_common.models.qwenimage.modulation import ModulationCache
+from omni_common.models.qwenimage.rotary import use_real_rotary
 from omni_common.models.qwenimage.step_cache import (
     StepCache,
     cached_forward,
@@ -71,6 +73,9 @@ class QwenImageDenoiseState(LatentState):
     step_cache: StepCache | None = None
     # The request's LoRA adapters, held (acquired) until finish or release.
     loras: RowAdapters = ()
+    # Packed modulation rows of each step (modulation.py), shared by requests of one
+    # schedule; None when the denoiser computes the modulation in the forward.
+    modulation: torch.Tensor | None = None
 
 
 class QwenImageDenoiser(LatentSteps):
@@ -94,6 +99,7 @@ class QwenImageDenoiser(LatentSteps):
         self.vae_scale_factor = vae_scale_factor
         self.graphed: GraphedTransformer | None = None
         self.compiled = False
+        self.modulation: ModulationCache | None = None
         # Every linear layer of the DiT takes adapters (what diffusers' Qwen-Image LoRA files
         # name); configure() sets their memory bound, directory and batching.
         self.loras = LoraLayers(transformer, read_qwenimage_lora, device=device, dtype=dtype)
@@ -129,6 +135,11 @@ class QwenImageDenoiser(LatentSteps):
         self.devices = options.devices
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
+        if options.compile and options.devices == 1:
+            # The two rewrites of the forward that compiling pays for (same math, other
+            # rounding: the CPU's eager path stays diffusers' bit for bit).
+            use_real_rotary()  # complex products would stay eager kernels inside compiled blocks
+            self.modulation = ModulationCache(self.transformer)
         if options.compile:
             # Each graph bucket and real-shape variant compiles once (warmup.py); the default
             # limit of 8 would leave later ones eager, silently.
@@ -138,11 +149,18 @@ class QwenImageDenoiser(LatentSteps):
         if options.cuda_graphs:
             if self.device.type != "cuda":
                 raise InvalidArgument(f"CUDA graphs need a CUDA device; this denoiser runs on {self.device}")
-            self.graphed = GraphedTransformer(self.transformer, transformer_forward, self.device)
+            self.graphed = GraphedTransformer(
+                self.transformer,
+                transformer_forward,
+                self.device,
+                modulation_width=self.modulation.width if self.modulation is not None else None,
+            )
         if options.compile or options.cuda_graphs:
             config = self.transformer.config
             warm_up(
-                lambda inputs, img_shapes: transformer_forward(self.transformer, inputs, img_shapes),
+                lambda inputs, img_shapes: transformer_forward(
+                    self.transformer, self._with_modulation(inputs), img_shapes
+                ),
                 self.graphed,
                 [self.img_shape(width, height) for width, height in options.capture_sizes],
                 options.max_batch,
@@ -151,6 +169,19 @@ class QwenImageDenoiser(LatentSteps):
                 self.dtype,
                 self.device,
             )
+
+    def _with_modulation(self, inputs: Inputs) -> Inputs:
+        """Warm-up inputs with packed modulation rows (zeros) when the forward takes them."""
+        if self.modulation is None:
+            return inputs
+        rows = inputs["latents"].shape[0]
+        zeros = torch.zeros((rows, self.modulation.width), dtype=self.dtype, device=self.device)
+        return {**inputs, "modulation": zeros}
+
+    def weights_changed(self) -> None:
+        """The weights' values changed in place (LoadWeights): drop what was computed from them."""
+        if self.modulation is not None:
+            self.modulation.clear()
 
     def img_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """(frames, patch rows, patch columns) of an image of `width` x `height` pixels."""
@@ -200,6 +231,9 @@ class QwenImageDenoiser(LatentSteps):
             check_cacheable(self.transformer)
             if request.loras:
                 raise InvalidArgument("the step_cache option does not combine with LoRA adapters yet")
+        modulation = None
+        if self.modulation is not None:
+            modulation = self.modulation.table((steps, float(mu)), timesteps, self.dtype)
         # Last: nothing after it may fail, or the adapters would stay held.
         loras = self.loras.acquire(request.loras) if request.loras else ()
         return QwenImageDenoiseState(
@@ -216,6 +250,7 @@ class QwenImageDenoiser(LatentSteps):
             img_shapes=img_shapes,
             step_cache=StepCache(threshold) if threshold > 0 else None,
             loras=loras,
+            modulation=modulation,
         )
 
     def batch_key(self, state: StepState) -> Hashable:
@@ -308,10 +343,13 @@ class QwenImageDenoiser(LatentSteps):
         latents = state.latents
         t = state.timesteps[state.step_index]
         timestep = t.expand(latents.shape[0]).to(latents.dtype)  # rounded in the model dtype
+        modulation = None
+        if state.modulation is not None:
+            modulation = state.modulation[state.step_index : state.step_index + 1]
 
         def cond() -> torch.Tensor:
             embeds, mask = state.prompt_embeds, state.prompt_embeds_mask
-            return self._forward(latents, timestep, embeds, mask, state.img_shapes)
+            return self._forward(latents, timestep, embeds, mask, state.img_shapes, modulation)
 
         if state.request.do_true_cfg:
             negative = state.negative_prompt_embeds
@@ -319,7 +357,12 @@ class QwenImageDenoiser(LatentSteps):
             noise_pred, neg_noise_pred = self.branches(
                 cond,
                 lambda: self._forward(
-                    latents, timestep, negative, state.negative_prompt_embeds_mask, state.img_shapes
+                    latents,
+                    timestep,
+                    negative,
+                    state.negative_prompt_embeds_mask,
+                    state.img_shapes,
+                    modulation,
                 ),
             )
             noise_pred = guide(noise_pred, neg_noise_pred, state.request.true_cfg_scale)
@@ -342,7 +385,9 @@ class QwenImageDenoiser(LatentSteps):
         self._batch_steps(states, self._forward_batch(batch), batch.ts)
 
     def _forward_batch(self, batch: BatchInputs) -> torch.Tensor:
-        return self._forward(batch.latents, batch.timestep, batch.embeds, batch.mask, batch.img_shapes)
+        return self._forward(
+            batch.latents, batch.timestep, batch.embeds, batch.mask, batch.img_shapes, batch.modulation
+        )
 
     @torch.inference_mode()
     def _step_cached(self, states: list[QwenImageDenoiseState]) -> None:
@@ -365,6 +410,16 @@ class QwenImageDenoiser(LatentSteps):
         ts = [state.timesteps[state.step_index] for state in states]
         timestep = torch.stack(ts).to(latents.dtype)  # each rounded in the model dtype, as alone
         img_shapes = [shape for state in states for shape in state.img_shapes]
+        tables = [state.modulation for state in states]
+        modulation = None
+        if all(table is not None for table in tables):
+            modulation = torch.cat(
+                [
+                    table[state.step_index : state.step_index + 1]
+                    for table, state in zip(tables, states, strict=True)
+                    if table is not None
+                ]
+            )
         texts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         if branch != "uncond":
             texts = [(state.prompt_embeds, state.prompt_embeds_mask) for state in states]
@@ -377,8 +432,9 @@ class QwenImageDenoiser(LatentSteps):
             latents = torch.cat([latents, latents])
             timestep = torch.cat([timestep, timestep])
             img_shapes = img_shapes + img_shapes
+            modulation = None if modulation is None else torch.cat([modulation, modulation])
         embeds, mask = pad_prompts(texts, self.dtype)
-        return BatchInputs(latents, timestep, embeds, mask, img_shapes, ts)
+        return BatchInputs(latents, timestep, embeds, mask, img_shapes, ts, modulation)
 
     def _batch_steps(
         self, states: list[QwenImageDenoiseState], noise_preds: torch.Tensor, ts: list[torch.Tensor]
@@ -405,14 +461,17 @@ class QwenImageDenoiser(LatentSteps):
         embeds: torch.Tensor,
         mask: torch.Tensor | None,
         img_shapes: ImgShapes,
+        modulation: torch.Tensor | None = None,
     ) -> torch.Tensor:
         embeds = embeds.to(self.dtype)
+        if self.loras.active:
+            modulation = None  # adapters may change the modulation layers: computed in the forward
         if self.graphed is not None and not self.loras.active:
-            replayed = self.graphed(latents, timestep, embeds, mask, img_shapes)
+            replayed = self.graphed(latents, timestep, embeds, mask, img_shapes, modulation)
             if replayed is not None:
                 return replayed
         return transformer_forward(
-            self.transformer, forward_inputs(latents, timestep, embeds, mask), img_shapes
+            self.transformer, forward_inputs(latents, timestep, embeds, mask, modulation), img_shapes
         )
 
     def preview(self, state: StepState) -> np.ndarray:
@@ -453,15 +512,23 @@ class BatchInputs:
     mask: torch.Tensor | None
     img_shapes: ImgShapes
     ts: list[torch.Tensor]
+    modulation: torch.Tensor | None = None  # packed modulation rows, when the denoiser keeps them
 
 
 def forward_inputs(
-    latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor | None
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    embeds: torch.Tensor,
+    mask: torch.Tensor | None,
+    modulation: torch.Tensor | None = None,
 ) -> Inputs:
-    """transformer_forward's named inputs; no "mask" for an unpadded prompt."""
+    """transformer_forward's named inputs; no "mask" for an unpadded prompt, no
+    "modulation" where the forward computes it from the timestep."""
     inputs = {"latents": latents, "timestep": timestep, "embeds": embeds}
     if mask is not None:
         inputs["mask"] = mask
+    if modulation is not None:
+        inputs["modulation"] = modulation
     return inputs
 
 
@@ -469,10 +536,11 @@ def transformer_forward(
     transformer: QwenImageTransformer2DModel, inputs: Inputs, img_shapes: ImgShapes
 ) -> torch.Tensor:
     """The transformer call of QwenImagePipeline's loop; the timestep is scaled to [0, 1]
-    here, as the pipeline does, and "mask" may be absent (no padded prompt)."""
+    here, as the pipeline does, and "mask" may be absent (no padded prompt). With packed
+    modulation rows ("modulation", modulation.py) the transformer takes those in its place."""
     return transformer(
         hidden_states=inputs["latents"],
-        timestep=inputs["timestep"] / 1000,
+        timestep=inputs["modulation"] if "modulation" in inputs else inputs["timestep"] / 1000,
         guidance=None,
         encoder_hidden_states_mask=inputs.get("mask"),
         encoder_hidden_states=inputs["embeds"],

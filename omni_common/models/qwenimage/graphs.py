@@ -1,11 +1,15 @@
 """QwenImageTransformer2DModel's forward as replayed CUDA graphs.
 
-A graph needs static shapes, so a forward's inputs are padded to buckets: the batch to the
-next of BATCH_BUCKETS (extra rows repeat the first), the prompt to the next of TEXT_BUCKETS
-(zero embeddings, masked out). Padding is exact in value: a masked text token reaches no
-other token (the joint attention's key mask), and the padded rows are dropped. It is not
-bitwise: the masked attention kernel sums in another order than the unmasked one, so a
-graphed forward equals the eager one up to float rounding (tests/gpu check both).
+A graph needs static shapes, so a forward's inputs are padded: the batch to the next of
+BATCH_BUCKETS (extra rows repeat the first, and are dropped). Rows whose prompts share one
+length and no mask (one request, or requests of equal prompt lengths) get a graph of that
+exact length: no mask, so attention keeps its fastest kernel (cuDNN's flash kernel on an H200
+runs a masked joint attention ~1.7x slower: 13 ms of a 1024x1024 step, docs/benchmarks.md).
+Prompts of different lengths are padded to the next of TEXT_BUCKETS with zero embeddings
+masked out. That padding is exact in value: a masked text token reaches no other token (the
+joint attention's key mask). It is not bitwise: the masked attention kernel sums in another
+order than the unmasked one, so a graphed forward equals the eager one up to float rounding
+(tests/gpu check both).
 """
 
 from __future__ import annotations
@@ -57,18 +61,19 @@ def padded_inputs(
     mask: torch.Tensor | None,
     batch: int,
     text: int,
+    modulation: torch.Tensor | None = None,
 ) -> Inputs:
     """One forward's inputs padded to `batch` rows and `text` prompt tokens, with the int64
-    text mask (1 valid, 0 padding) that makes the padding invisible."""
+    text mask (1 valid, 0 padding) that makes the padding invisible; no mask when the prompts
+    are `text` tokens long and unmasked already."""
     rows, length = embeds.shape[:2]
-    if mask is None:
-        mask = torch.ones((rows, length), dtype=torch.long, device=embeds.device)
-    padded = {
-        "latents": latents,
-        "timestep": timestep,
-        "embeds": F.pad(embeds, (0, 0, 0, text - length)),
-        "mask": F.pad(mask.to(torch.long), (0, text - length)),
-    }
+    padded = {"latents": latents, "timestep": timestep, "embeds": F.pad(embeds, (0, 0, 0, text - length))}
+    if modulation is not None:
+        padded["modulation"] = modulation
+    if mask is not None or text != length:
+        if mask is None:
+            mask = torch.ones((rows, length), dtype=torch.long, device=embeds.device)
+        padded["mask"] = F.pad(mask.to(torch.long), (0, text - length))
     if batch > rows:
         padded = {
             name: torch.cat([value, value[:1].expand(batch - rows, *value.shape[1:])])
@@ -114,11 +119,14 @@ class GraphedTransformer:
         transformer: QwenImageTransformer2DModel,
         forward: Forward,
         device: torch.device,
-        max_graphs: int = 64,
+        max_graphs: int = 256,
+        modulation_width: int | None = None,
     ) -> None:
         self.transformer = transformer
         self.forward = forward
         self.device = device
+        # Columns of the packed modulation rows the forward takes (modulation.py); None: none.
+        self.modulation_width = modulation_width
         self.cache = CudaGraphCache(
             device, max_graphs=max_graphs, decisions=keep_decisions(transformer, device)
         )
@@ -130,37 +138,61 @@ class GraphedTransformer:
         embeds: torch.Tensor,
         mask: torch.Tensor | None,
         img_shapes: ImgShapes,
+        modulation: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         rows, image_tokens = latents.shape[:2]
-        batch, text = bucket(rows, BATCH_BUCKETS), bucket(embeds.shape[1], TEXT_BUCKETS)
+        length = embeds.shape[1]
+        batch, text = bucket(rows, BATCH_BUCKETS), bucket(length, TEXT_BUCKETS)
         if batch is None or text is None:
             return None
-        key = (batch, text, image_tokens, img_shapes[0][0], latents.dtype)
+        masked = mask is not None
+        # Whether a replay pays is decided once per text bucket (decision_key): prompts of
+        # 17 and 23 tokens replay alike, and a new length must not time its graph again.
+        decision_key = (
+            batch,
+            text,
+            masked,
+            image_tokens,
+            img_shapes[0][0],
+            latents.dtype,
+            modulation is not None,
+        )
+        key = decision_key if masked else (*decision_key, length)
+        if not masked:
+            text = length
         speedup = self.cache.speedup(key)
         if speedup is not None and speedup * rows < batch:
             # The padded rows would cost more than the replay saves (compute-bound shapes):
             # 3 requests at 1024x1024 run as 3, not as a replay of 4.
             return None
-        inputs = padded_inputs(latents, timestep, embeds, mask, batch, text)
+        inputs = padded_inputs(latents, timestep, embeds, mask, batch, text, modulation)
         shapes = [img_shapes[0]] * batch
 
         def run(static: Inputs) -> torch.Tensor:
             with capturable_text_mask():
                 return self.forward(self.transformer, static, shapes)
 
-        output = self.cache.run(key, inputs, run)
+        output = self.cache.run(key, inputs, run, decision_key=decision_key)
         return None if output is None else output[:rows]
 
-    def capture(self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype) -> None:
-        """Capture (and compile) the bucket of `rows` requests at one image shape (frames,
-        patch rows, patch columns) and `text` prompt tokens ahead of the first request."""
+    def capture(
+        self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype, *, masked: bool
+    ) -> None:
+        """Capture (and compile) the graph of `rows` requests at one image shape (frames,
+        patch rows, patch columns) ahead of the first request: `masked`, the bucket of
+        prompts padded to `text` tokens; otherwise prompts of exactly `text` tokens."""
         frames, height, width = img_shape
         channels = self.transformer.config["in_channels"]
         dim = self.transformer.config["joint_attention_dim"]
+        mask = torch.ones((rows, text), dtype=torch.long, device=self.device) if masked else None
+        modulation = None
+        if self.modulation_width is not None:
+            modulation = torch.zeros((rows, self.modulation_width), dtype=dtype, device=self.device)
         self(
             torch.zeros((rows, frames * height * width, channels), dtype=dtype, device=self.device),
             torch.full((rows,), 1000.0, dtype=dtype, device=self.device),
             torch.zeros((rows, text, dim), dtype=dtype, device=self.device),
-            None,
+            mask,
             [[img_shape]] * rows,
+            modulation,
         )

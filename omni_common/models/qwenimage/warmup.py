@@ -2,8 +2,10 @@
 
 For each size the stage is told it will serve (--capture-sizes) and each batch bucket up to
 --max-batch, the warm-up runs every forward a request of that shape can take:
-- the graph buckets (prompt padded to 32 and 64 tokens under a mask), captured where a
-  replay pays (graphs.GraphedTransformer);
+- the CUDA graphs (graphs.GraphedTransformer), captured where a replay pays: for one request,
+  a graph of one exact prompt length (unmasked; other lengths are captured on first use, once
+  whether a replay pays is known); for several, the buckets of prompts of different lengths
+  padded to 32 and 64 tokens under a mask;
 - the forward on real shapes, which a bucket without a graph runs: unmasked at two prompt
   lengths and masked once (prompts of different lengths batched), at one and two requests
   of each size, so the compiled blocks take the prompt length, the batch and the image size
@@ -55,9 +57,11 @@ def warm_up(
     for i, (img_shape, batch) in enumerate(shapes, 1):
         _, height, width = img_shape
         with torch.inference_mode():
-            if graphed is not None:
+            if graphed is not None and batch == 1:
+                graphed.capture(batch, img_shape, REAL_TEXT_TOKENS[0], dtype, masked=False)
+            elif graphed is not None:
                 for text in (t for t in TEXT_BUCKETS if t <= CAPTURE_TEXT_TOKENS):
-                    graphed.capture(batch, img_shape, text, dtype)
+                    graphed.capture(batch, img_shape, text, dtype, masked=True)
             if batch in REAL_SHAPE_BATCHES:
                 real_shapes(forward, batch, img_shape, channels, text_dim, dtype, device)
         log.info(

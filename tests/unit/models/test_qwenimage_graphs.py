@@ -85,6 +85,18 @@ def test_an_unmasked_prompt_gets_a_mask_that_hides_only_the_padding(denoiser) ->
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+def test_prompts_of_the_bucket_length_are_passed_as_they_are(denoiser) -> None:
+    """Equal unmasked prompts padded to their own length: no mask, nothing changed (the graph
+    of an exact prompt length keeps the unmasked attention kernel)."""
+    plain, img_shapes = inputs(denoiser, 1, [9])
+    del plain["mask"]
+    padded = padded_inputs(plain["latents"], plain["timestep"], plain["embeds"], None, 2, 9)
+    assert "mask" not in padded and padded["embeds"].shape[:2] == (2, 9)
+    expected = transformer_forward(denoiser.transformer, plain, img_shapes)
+    got = transformer_forward(denoiser.transformer, padded, img_shapes * 2)[:1]
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_without_the_mask_padding_would_change_the_output(denoiser) -> None:
     """The check above can fail: dropping the mask moves the output far beyond ATOL."""
     plain, img_shapes = inputs(denoiser, 1, [9])

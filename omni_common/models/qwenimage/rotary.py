@@ -1,0 +1,38 @@
+"""Qwen-Image's rotary position embedding in real arithmetic, for the compiled forward.
+
+diffusers (0.42) applies it as a complex multiplication, for which inductor generates no
+code: each of its four calls a block (image and text queries and keys) stays a PyTorch
+kernel of its own, 240 of them a forward (4.0 ms of a 1024x1024 step on an H200, 7.5 ms of a
+step of 8 at 512x512: benchmarks/dit_profile.py). The same products written on the cosine
+and sine fuse into the kernels around them. The math is the complex product's, term by term:
+equal to diffusers' on the CPU (tests/unit/models/test_qwenimage_rotary.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.transformers import transformer_qwenimage
+
+_diffusers_rotary = transformer_qwenimage.apply_rotary_emb_qwen
+
+
+def apply_rotary_real(
+    x: torch.Tensor, freqs_cis: Any, use_real: bool = True, use_real_unbind_dim: int = -1
+) -> torch.Tensor:
+    """diffusers' apply_rotary_emb_qwen; its complex form (use_real=False: x [B, S, H, D] as
+    D/2 pairs, freqs_cis complex [S, D/2]) computed on real numbers."""
+    if use_real or not (isinstance(freqs_cis, torch.Tensor) and freqs_cis.is_complex()):
+        return _diffusers_rotary(x, freqs_cis, use_real, use_real_unbind_dim)  # type: ignore[return-value]
+    freqs = torch.view_as_real(freqs_cis).unsqueeze(1)  # [S, 1, D/2, 2]
+    cos, sin = freqs[..., 0], freqs[..., 1]
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(3).type_as(x)
+
+
+def use_real_rotary() -> None:
+    """Make every Qwen-Image attention of this process use apply_rotary_real (idempotent)."""
+    transformer_qwenimage.apply_rotary_emb_qwen = apply_rotary_real  # type: ignore[assignment]
