@@ -6,7 +6,8 @@ a forward eager, 56 ms replayed as a graph). A replay launches the whole forward
 
 A graph replays fixed kernels on fixed memory, so the caller pads its inputs to a few
 buckets of shapes and names each bucket by a key; this cache captures the function the
-first time it sees a key and replays it after. All graphs share one memory pool: replays
+first time it sees a key and replays it after. That first call's output is the eager run's
+before the capture, so a new key costs the capture's recording, not extra forwards. All graphs share one memory pool: replays
 never overlap (one compute thread per device) and each output is copied out before the next
 replay, so the pool holds about the activations of the largest graph, not their sum.
 
@@ -131,9 +132,7 @@ class CudaGraphCache:
             decision_key = key if decision_key is None else decision_key
             if decision_key in self._eager:
                 return None
-            captured = self._capture(key, decision_key, inputs, fn)
-            if captured is None:
-                return None
+            return self._capture(key, decision_key, inputs, fn)
         self._graphs.move_to_end(key)
         for name, value in inputs.items():
             captured.inputs[name].copy_(value)
@@ -142,7 +141,9 @@ class CudaGraphCache:
 
     def _capture(
         self, key: Hashable, decision_key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]
-    ) -> _Captured | None:
+    ) -> torch.Tensor | None:
+        """Capture the graph of `key`; returns this call's output, from the eager run that
+        precedes a capture (None when even that failed, or the decision is known to be no)."""
         known = self._speedups.get(decision_key)
         if known is None and self.decisions is not None:
             known = self.decisions.get(decision_key)
@@ -151,14 +152,27 @@ class CudaGraphCache:
             return None
         static = {name: value.clone() for name, value in inputs.items()}
         graph = torch.cuda.CUDAGraph()
-        warmup_runs = 1 if known else self.warmup_runs
+        output: torch.Tensor | None = None
+        current = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._stream.wait_stream(current)
             try:
                 with torch.cuda.stream(self._stream):
-                    # Lazy initialisation, caches, compilation; the last run is the eager time.
-                    eager_s = [self._timed(lambda: fn(static)) for _ in range(warmup_runs)][-1]
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+                    # Lazy initialisation, caches, compilation. With the decision known (a new
+                    # prompt length of a timed bucket) one run, whose output is this call's;
+                    # otherwise the last run is the eager time.
+                    if known:
+                        output = fn(static)
+                    else:
+                        for _ in range(self.warmup_runs - 1):
+                            fn(static)
+                        torch.cuda.synchronize(self.device)
+                        started = time.perf_counter()
+                        output = fn(static)
+                        torch.cuda.synchronize(self.device)
+                        eager_s = time.perf_counter() - started
+                current.wait_stream(self._stream)
+                output.record_stream(current)  # made on the side stream, used on this one
                 # Thread-local: the stage's event loop thread may open or export tensors
                 # (CUDA IPC, copies) meanwhile; only this thread must keep from syncing. No
                 # other thread may draw from the default CUDA generator during a capture
@@ -166,15 +180,16 @@ class CudaGraphCache:
                 with torch.cuda.graph(
                     graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
                 ):
-                    output = fn(static)
+                    static_output = fn(static)
             except RuntimeError as err:
                 # Something in `fn` is not capturable (a host sync, a host-to-device copy):
                 # this shape runs eagerly from now on, which is slower but correct.
                 self._eager.add(decision_key)
                 log.warning("cannot capture a CUDA graph for %s; running it eagerly: %s", key, err)
-                return None
-            if known is not None:  # paid on an earlier start: nothing to time again
-                return self._keep(key, _Captured(graph, static, output, known))
+                return output
+            if known is not None:  # paid when first timed: nothing to time again
+                self._keep(key, _Captured(graph, static, static_output, known))
+                return output
             replay_s = min(self._timed(graph.replay) for _ in range(2))
         speedup = eager_s / replay_s
         self._speedups[decision_key] = speedup
@@ -188,18 +203,18 @@ class CudaGraphCache:
                 replay_s * 1e3,
                 eager_s * 1e3,
             )
-            return None
+            return output
         log.info("CUDA graph for %s: %.1f ms a replay, %.1f ms eager", key, replay_s * 1e3, eager_s * 1e3)
-        return self._keep(key, _Captured(graph, static, output, speedup))
+        self._keep(key, _Captured(graph, static, static_output, speedup))
+        return output
 
-    def _keep(self, key: Hashable, captured: _Captured) -> _Captured:
+    def _keep(self, key: Hashable, captured: _Captured) -> None:
         self._graphs[key] = captured
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         log.info(
             "captured a CUDA graph for %s, %.3fx eager (%d graphs)", key, captured.speedup, len(self._graphs)
         )
-        return captured
 
     def _timed(self, fn: Callable[[], object]) -> float:
         """Seconds of `fn` with the device idle before and after it."""

@@ -10,7 +10,7 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
-from omni_common.models.qwenimage.rotary import apply_rotary_real
+from omni_common.models.qwenimage.rotary import apply_rotary_real, rotate_real
 
 from .conftest import CPU
 from .test_qwenimage_graphs import inputs
@@ -24,9 +24,21 @@ def test_real_rotary_equals_the_complex_product(dtype: torch.dtype) -> None:
     x = torch.randn((2, 37, 3, 16), generator=generator).to(dtype)
     freqs = torch.polar(torch.ones(37, 8), torch.randn((37, 8), generator=generator) * 3)
     expected = DIFFUSERS_ROTARY(x, freqs, use_real=False)
-    got = apply_rotary_real(x, freqs, use_real=False)
+    got = rotate_real(x, freqs)
     assert got.dtype == dtype and torch.equal(got, expected)
     assert not torch.equal(got, x)  # it rotates
+    compiled = torch.compile(apply_rotary_real, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, freqs, use_real=False), expected)  # traced: the real form
+
+
+def test_eager_calls_stay_diffusers_own(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr("omni_common.models.qwenimage.rotary.rotate_real", lambda *a: calls.append(a))
+    x, freqs = torch.randn((1, 3, 2, 4)), torch.polar(torch.ones(3, 2), torch.randn((3, 2)))
+    assert torch.equal(
+        apply_rotary_real(x, freqs, use_real=False), DIFFUSERS_ROTARY(x, freqs, use_real=False)
+    )
+    assert not calls
 
 
 def test_the_real_form_of_cos_and_sin_is_still_diffusers_own() -> None:
@@ -35,9 +47,12 @@ def test_the_real_form_of_cos_and_sin_is_still_diffusers_own() -> None:
     assert torch.equal(apply_rotary_real(x, (cos, sin)), DIFFUSERS_ROTARY(x, (cos, sin)))
 
 
-def test_a_transformer_forward_with_real_rotary_is_unchanged(tiny_model: Path, monkeypatch) -> None:
+def test_a_transformer_forward_rotating_in_real_arithmetic_is_unchanged(
+    tiny_model: Path, monkeypatch
+) -> None:
     denoiser = QwenImageDenoiser.load(tiny_model, CPU, torch.float32)
     plain, img_shapes = inputs(denoiser, 3, [5, 11, 7])
     expected = transformer_forward(denoiser.transformer, plain, img_shapes)
     monkeypatch.setattr(transformer_qwenimage, "apply_rotary_emb_qwen", apply_rotary_real)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as when traced
     assert torch.equal(transformer_forward(denoiser.transformer, plain, img_shapes), expected)
