@@ -7,9 +7,10 @@ a forward eager, 56 ms replayed as a graph). A replay launches the whole forward
 A graph replays fixed kernels on fixed memory, so the caller pads its inputs to a few
 buckets of shapes and names each bucket by a key; this cache captures the function the
 first time it sees a key and replays it after. That first call's output is the eager run's
-before the capture, so a new key costs the capture's recording, not extra forwards. All graphs share one memory pool: replays
-never overlap (one compute thread per device) and each output is copied out before the next
-replay, so the pool holds about the activations of the largest graph, not their sum.
+before the capture, so a new key costs the capture's recording, not extra forwards. All
+graphs share one memory pool: replays never overlap (one compute thread per device) and each
+output is copied out before the next replay, so the pool holds about the activations of the
+largest graph, not their sum.
 
 Where the GPU is busy anyway (large batches, large images) a replay saves only the launch
 gaps inside a compiled forward (measured on an H100, Qwen-Image: 134.9 ms replayed vs 139.6
@@ -173,14 +174,7 @@ class CudaGraphCache:
                         eager_s = time.perf_counter() - started
                 current.wait_stream(self._stream)
                 output.record_stream(current)  # made on the side stream, used on this one
-                # Thread-local: the stage's event loop thread may open or export tensors
-                # (CUDA IPC, copies) meanwhile; only this thread must keep from syncing. No
-                # other thread may draw from the default CUDA generator during a capture
-                # (PyTorch refuses: the graph owns its offset); the stages draw noise on the CPU.
-                with torch.cuda.graph(
-                    graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
-                ):
-                    static_output = fn(static)
+                static_output = self._record(graph, lambda: fn(static))
             except RuntimeError as err:
                 # Something in `fn` is not capturable (a host sync, a host-to-device copy):
                 # this shape runs eagerly from now on, which is slower but correct.
@@ -207,6 +201,21 @@ class CudaGraphCache:
         log.info("CUDA graph for %s: %.1f ms a replay, %.1f ms eager", key, replay_s * 1e3, eager_s * 1e3)
         self._keep(key, _Captured(graph, static, static_output, speedup))
         return output
+
+    def _record(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Capture `fn` into `graph` on the side stream. torch.cuda.graph would first wait for
+        the device and empty the allocator's cache, which a serving replica would pay at each
+        new key (the next forwards allocate from the driver again); the capture needs neither.
+        Thread-local: the stage's event loop thread may open or export tensors (CUDA IPC,
+        copies) meanwhile; only this thread must keep from syncing. No other thread may draw
+        from the default CUDA generator during a capture (PyTorch refuses: the graph owns its
+        offset); the stages draw noise on the CPU."""
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                return fn()
+            finally:
+                graph.capture_end()
 
     def _keep(self, key: Hashable, captured: _Captured) -> None:
         self._graphs[key] = captured
