@@ -487,6 +487,8 @@ class QwenImageDenoiser(LatentSteps):
     def forget_cuda_graphs(self) -> None:
         if self.graphed is not None:
             self.graphed.cache.clear()
+        if self.modulation is not None:  # device memory a sleep gives back too; rebuilt on use
+            self.modulation.clear()
 
     def finish(self, state: StepState) -> StageState:
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
