@@ -582,6 +582,9 @@ class PlanRun:
                 )
             except NotFound:
                 lost = [o for o in outputs if self._lost(o)]
+                if not lost:  # a producer killed a moment ago may not be known dead yet
+                    alive = await asyncio.gather(*(self.flow.pool.probe(o.producer) for o in outputs))
+                    lost = [o for o, up in zip(outputs, alive, strict=True) if not up]
                 if not lost or attempt == RECOMPUTES:
                     raise
                 names = ", ".join(o.step.name for o in lost)

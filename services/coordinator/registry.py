@@ -204,6 +204,16 @@ class ReplicaPool:
         replica = self.by_address(address)
         return replica is not None and replica.healthy
 
+    async def probe(self, address: str) -> bool:
+        """Ask the replica at `address` now whether it is alive (a consumer just failed to
+        read from it, before the next health round would tell); an unreachable one counts a
+        failure, so is_alive says so from now on."""
+        replica = self.by_address(address)
+        if replica is None:
+            return False
+        await self._refresh_one(replica)
+        return replica.healthy
+
     def healthy_counts(self) -> dict[str, int]:
         """Healthy replicas per stage, whatever model they serve."""
         return {stage: sum(r.healthy for r in replicas) for stage, replicas in self.replicas.items()}

@@ -52,3 +52,22 @@ def test_heartbeats_go_on_after_a_heartbeat_failed_to_build(caplog: pytest.LogCa
     with caplog.at_level(logging.ERROR, "omnistage.registration"):
         asyncio.run(scenario())
     assert "heartbeat to" in caplog.text and "the load signal is not ready yet" in caplog.text
+
+
+def test_a_probe_finds_a_registered_replica_that_died_before_its_lease_ran_out() -> None:
+    """What the coordinator asks when a consumer cannot read a producer's output: a replica
+    killed a moment ago still counts as alive by its heartbeat lease; the probe finds it dead."""
+    from omni_common.cluster import free_port
+
+    async def scenario() -> None:
+        pool = ReplicaPool()
+        address = f"127.0.0.1:{free_port()}"  # nothing listens there: the replica is gone
+        pool.register(
+            stage_pb2.StageInfo(stage="dit-denoise", address=address, model="m", family="qwenimage")
+        )
+        assert pool.is_alive(address)
+        assert not await pool.probe(address)
+        assert not pool.is_alive(address)
+        assert not await pool.probe("127.0.0.1:1")  # an unknown address is no live producer
+
+    asyncio.run(scenario())
