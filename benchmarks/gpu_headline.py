@@ -158,6 +158,15 @@ def run_cluster(args: argparse.Namespace, log_dir: Path, cache: Path) -> Side:
                 )
                 walls.append((time.perf_counter() - t0) * 1e3)
                 splits.append(walls[-1] - sum(result.compute_ms.values()))
+                emit(
+                    {
+                        "side": "cluster",
+                        "size": size,
+                        "run": run,
+                        "wall_ms": round(walls[-1], 1),
+                        "stage_compute_ms": {k: round(v, 1) for k, v in result.compute_ms.items()},
+                    }
+                )
                 if run == 0 and result.tensor is not None:
                     out.images[size] = result.tensor
             out.p50_ms[size] = p50(walls)

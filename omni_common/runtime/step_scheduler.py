@@ -74,6 +74,8 @@ class Job:
     finishing: bool = False  # its last launched step finished it: never step it again
     admitted: float = field(default_factory=time.monotonic)
     waiting: Any = tracing.NO_SPAN  # its wait for its first step (tracing.start)
+    steps_ms: list[float] = field(default_factory=list)  # each step's time (device time on a GPU)
+    batches: list[int] = field(default_factory=list)  # the batch size of each of its steps
 
     def end_wait(self) -> None:
         self.waiting.end()
@@ -393,6 +395,8 @@ class StepScheduler:
                 )
                 continue
             job.last_step = now
+            job.steps_ms.append(self.step_ms)
+            job.batches.append(len(launched.jobs))
             try:
                 await self._report(job, launched, i)
             except Exception:  # a fault of the scheduler itself: fail the job, keep serving
@@ -454,10 +458,39 @@ class StepScheduler:
             job.events.put_nowait(progress)
         if launched.finished[i]:
             self.jobs.remove(job)
+            _log_steps(self.name, job)
             try:
                 job.events.put_nowait(await self.compute(self.runner.finish, state))
             except Exception:
                 self._fail(job)
+
+
+def _log_steps(name: str, job: Job) -> None:
+    """Where a finished request's steps went: its first step (a new shape's compile or graph
+    capture shows there), the median of the rest, and the batches it stepped in."""
+    steps = job.steps_ms
+    later = sorted(steps[1:]) or steps
+    log.info(
+        "request %s: %d steps on %s in %.0f ms: first %.1f ms, median %.1f ms; batches %s",
+        job.call.request_id,
+        len(steps),
+        name,
+        sum(steps),
+        steps[0],
+        later[len(later) // 2],
+        _runs(job.batches),
+    )
+
+
+def _runs(sizes: list[int]) -> str:
+    """Batch sizes as runs: [1, 8, 8, 8] -> "1, 8x3"."""
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return ", ".join(f"{size}x{count}" if count > 1 else str(size) for size, count in runs)
 
 
 def _on_host(flags: list[bool | torch.Tensor]) -> list[bool | torch.Tensor]:
