@@ -16,8 +16,10 @@ from omni_common.models.base import INPUT_PREFIX, ImageInput, input_image_name
 
 
 def to_rgb8(image: torch.Tensor) -> np.ndarray:
-    """float [3, H, W] in [0, 1] -> uint8 [H, W, 3], quantised exactly as diffusers' numpy_to_pil."""
-    return (image.permute(1, 2, 0).float().numpy() * 255).round().astype(np.uint8)
+    """float [3, H, W] in [0, 1] -> uint8 [H, W, 3], quantised exactly as diffusers' numpy_to_pil
+    (float32 x 255, rounded half to even: the same bits on any device). Quantised where the
+    image is, so a GPU's image crosses to the host as one byte a value, not four."""
+    return (image.permute(1, 2, 0).float() * 255).round().to(torch.uint8).cpu().numpy()
 
 
 def to_png(pixels: np.ndarray) -> bytes:

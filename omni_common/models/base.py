@@ -162,8 +162,11 @@ class StageContext:
     cache_bytes: int = 0
     cache_bypass: bool = False
     # torch.compile the stage's model where its family supports it (ar-encoder: the text
-    # encoder's layers; the DiT's execution flags are `denoiser`).
+    # encoder's layers; vae-decode: the decode at `capture_sizes`; the DiT's execution flags
+    # are `denoiser`).
     compile: bool = False
+    # (width, height) sizes the stage compiles ahead (--capture-sizes).
+    capture_sizes: tuple[tuple[int, int], ...] = ()
     # Runs model work on the replica's compute thread (one forward at a time per device).
     compute: Callable[..., Awaitable[Any]] | None = None
 
@@ -214,7 +217,11 @@ class BatchRunner(Protocol):
 
 class StepRunner(Protocol):
     """Step-wise work, so a scheduler can interleave requests between steps: a denoising
-    loop (one transformer forward + scheduler step) or token generation (one token)."""
+    loop (one transformer forward + scheduler step) or token generation (one token).
+
+    Optional: `idle_work() -> bool` does one short unit of work ahead (e.g. a CUDA graph of a
+    common shape) while no request is here, False when nothing is left, and
+    `idle_work_left() -> int` says how many units remain (the scheduler calls them)."""
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> StepState:
         """Everything before the first step (noise and timesteps; a prefill)."""

@@ -17,6 +17,17 @@ from omni_common.models.base import StageState, StepState
 Branch = Callable[[], torch.Tensor]
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` without waiting for the device: a host tensor bound for a GPU goes
+    through pinned memory as an asynchronous copy, queued after the work already there. A
+    plain `.to()` from pageable memory first waits for all of that work, so a request's
+    admission would stall the stage's compute thread behind the running batch's steps (up to
+    two of them: the step loop keeps the next one queued)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(kw_only=True)
 class LatentState(StepState):
     """A denoising request in flight: its latents and its own (stateful) scheduler."""

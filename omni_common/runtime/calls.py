@@ -41,6 +41,8 @@ class StageCall:
     resume: StageState | None = None
     # A streaming call's later input chunks (`inputs` holds chunk 0); None when not streaming.
     inbox: Inbox | None = None
+    # Requests like this one on their way to this stage (StageRequest.followers).
+    followers: int = 0
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline

@@ -256,8 +256,9 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--capture-sizes",
         default=env("CAPTURE_SIZES", ""),
-        help="dit-denoise: WxH sizes (comma-separated, e.g. 512x512,1024x1024) whose CUDA graphs "
-        "are captured at start for every batch up to --max-batch; others are captured on first use",
+        help="WxH sizes (comma-separated, e.g. 512x512,1024x1024) the stage prepares at start: "
+        "dit-denoise compiles them and times their CUDA graphs for every batch up to --max-batch; "
+        "vae-decode compiles its decode of one image where that beats eager",
     )
     parser.add_argument(
         "--attention-backend",
@@ -270,8 +271,8 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         default=env("COMPILE", "auto"),
         choices=("auto", "on", "off"),
         help="torch.compile the model's repeated blocks: dit-denoise the transformer's (auto: on "
-        "a CUDA device without layerwise offload), ar-encoder the text encoder's (auto: on a CUDA "
-        "device)",
+        "a CUDA device without layerwise offload), ar-encoder the text encoder's, vae-decode the "
+        "decode at --capture-sizes (auto: on a CUDA device)",
     )
     parser.add_argument(
         "--compile-cache",

@@ -109,6 +109,22 @@ class CudaGraphCache:
         captured = self._graphs.get(key)
         return None if captured is None else captured.speedup
 
+    def decided(self, decision_key: Hashable) -> bool:
+        """Whether a replay's gain for `decision_key` is known (timed in this process or in
+        the decisions file): its keys are captured without timing runs, or run eagerly."""
+        if decision_key in self._eager or decision_key in self._speedups:
+            return True
+        return self.decisions is not None and self.decisions.get(decision_key) is not None
+
+    def pays(self, decision_key: Hashable) -> bool:
+        """Whether a replay is known to beat the eager run for `decision_key`."""
+        if decision_key in self._eager:
+            return False
+        speedup = self._speedups.get(decision_key)
+        if speedup is None and self.decisions is not None:
+            speedup = self.decisions.get(decision_key)
+        return speedup is not None and _pays(speedup)
+
     def clear(self) -> None:
         """Drop every graph and give their memory back (the weights are about to move)."""
         self._graphs.clear()

@@ -103,6 +103,12 @@ class StageMetrics:
                 "Device idle time between two steps of a running request",
                 "idle_s",
             ),
+            (
+                "omnistage_idle_work_left",
+                "Work the role does while no request is here, still to do (dit-denoise: CUDA "
+                "graphs of common prompt lengths to capture)",
+                "idle_work_left",
+            ),
         )
         for name, doc, attr in series:
             gauge = Gauge(name, doc, ["stage", "role"], registry=self.registry)

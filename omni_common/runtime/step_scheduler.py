@@ -55,6 +55,11 @@ IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are c
 # request ahead of it pay one more forward (4 requests sent together: 3 forwards for 3 steps,
 # not 4). Requests that reach the stage in waves are gathered only by --batch-window-ms.
 ADMIT_WAIT_S = 0.05
+# A batch of requests that have not stepped yet, whose calls say more like them are on their
+# way (StageCall.followers: a burst the encoder takes in waves), waits for them at most this
+# long from the first one's admission: every wave that joins a step later makes the requests
+# ahead of it pay one more forward. Followers routed to another replica cost this wait once.
+FOLLOWERS_WAIT_S = 0.2
 T = TypeVar("T")
 Compute = Callable[..., Awaitable[Any]]
 
@@ -112,6 +117,7 @@ class StepTotals:
     steps: int = 0
     device_s: float = 0.0
     idle_s: float = 0.0
+    idle_work_left: int = 0  # units of the runner's idle work still to do (idle_work_left)
 
 
 def _preview_png(runner: StepRunner, state: StepState) -> bytes:
@@ -158,6 +164,9 @@ class StepScheduler:
         self.batch_window_s = batch_window_s
         self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
         self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
+        self._idle_ok = True  # the runner's idle work has not failed
+        left = getattr(runner, "idle_work_left", None)
+        self.totals.idle_work_left = left() if left is not None else 0
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
@@ -251,16 +260,39 @@ class StepScheduler:
                 continue
             self._wake.clear()
             if not self.jobs:
+                if await self._idle_work():
+                    continue
                 await self._wake.wait()
             else:  # every job waits for input: check deadlines now and then
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), IDLE_CHECK_S)
 
+    async def _idle_work(self) -> bool:
+        """One unit of the runner's idle work (its optional `idle_work`, e.g. a CUDA graph of a
+        common shape captured ahead) while no request is here or being admitted; True when it
+        did some. A request that arrives meanwhile waits for that one unit at most."""
+        idle = getattr(self.runner, "idle_work", None)
+        if idle is None or self.jobs or self._admitting or not self._idle_ok:
+            return False
+        try:
+            done = bool(await self.compute(idle))
+        except Exception:
+            log.exception("%s: idle work failed; no more of it", self.name)
+            self._idle_ok = False
+            return False
+        left = getattr(self.runner, "idle_work_left", None)
+        self.totals.idle_work_left = left() if left is not None else 0
+        return done
+
     async def _waited_for_company(self, batch: list[Job]) -> bool:
         """Wait when `batch` has room and has not stepped yet, while other requests are being
-        admitted (up to ADMIT_WAIT_S) or within the batch window: they start in the same
-        forward instead of one later. True when it waited (the batch is to be picked again)."""
+        admitted (up to ADMIT_WAIT_S), while followers its calls announced have not come (up
+        to FOLLOWERS_WAIT_S) or within the batch window: they start in the same forward
+        instead of one later. True when it waited (the batch is to be picked again)."""
         window = max(self.batch_window_s, ADMIT_WAIT_S if self._admitting else 0.0)
+        expected = max((i + 1 + job.call.followers for i, job in enumerate(batch)), default=0)
+        if len(batch) < min(expected, self.max_batch):
+            window = max(window, FOLLOWERS_WAIT_S)
         if not batch or not window or self.streaming is not None or len(batch) >= self.max_batch:
             return False
         if any(job.state.step_index for job in batch):

@@ -149,6 +149,14 @@ class Worker:
             compute=self.compute,
         )
 
+    def compile_flag(self) -> bool:
+        """`--compile`: auto is on for a CUDA device (the stages' compiled paths are measured
+        there: docs/benchmarks.md)."""
+        value = self.config.compile
+        if value == "on" and self.device.type != "cuda":
+            raise SystemExit(f"{self.stage}: --compile on needs a CUDA device")
+        return value == "on" or (value == "auto" and self.device.type == "cuda")
+
     def role_limits(self) -> RoleLimits:
         config = self.config
         return RoleLimits(

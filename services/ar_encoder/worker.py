@@ -30,11 +30,3 @@ class EncoderWorker(Worker):
             cache_bypass=config.cache_bypass,
             compile=self.compile_flag(),
         )
-
-    def compile_flag(self) -> bool:
-        """`--compile auto`: on for a CUDA device with the torch backend (the text encoder's
-        prompt forward is launch-bound there; QwenImageEncoder.compile)."""
-        value = self.config.compile
-        if value == "on" and self.device.type != "cuda":
-            raise SystemExit("ar-encoder: --compile on needs a CUDA device")
-        return value == "on" or (value == "auto" and self.device.type == "cuda")

@@ -28,7 +28,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -80,6 +81,14 @@ class _Request:
     text: list[str] = field(default_factory=list)  # the reply's text, as TextDelta events sent it
     audio_samples: int = 0  # samples sent in AudioChunk events
     audio_chunks: int = 0
+    plan: Plan | None = None
+
+    @property
+    def shape(self) -> tuple[object, ...]:
+        """What requests share to run in one batch of a step-wise stage, as far as the
+        coordinator can tell: the model, the size, the steps and whether CFG doubles them."""
+        p = self.params
+        return (p.model, p.width, p.height, p.num_inference_steps, p.true_cfg_scale > 1)
 
     def stream(self, step: str) -> Stream:
         return self.streams.setdefault(step, Stream())
@@ -126,6 +135,9 @@ class RequestFlow:
         self.checkpoint_every = checkpoint_every
         # (not `cache or ...`: an empty cache has len 0, so it is falsy)
         self.cache = cache if cache is not None else StepCache(transport, max_bytes=0, max_age_s=0.0)
+        # Requests in each plan step now, by (request shape, step name): a step-wise call is told
+        # how many requests like its own are still in the steps before it (followers).
+        self.in_step: Counter[tuple[tuple[object, ...], str]] = Counter()
 
     async def run(
         self,
@@ -141,6 +153,7 @@ class RequestFlow:
         rate, `deadline` (time.monotonic()) the client's deadline, which every call carries."""
         started = time.perf_counter()
         req = _Request(request_id, params, options, deadline, emit, Leases(self.transport), media or {})
+        req.plan = plan
         run = PlanRun(self, req, plan)
         try:
             result = await run.result()
@@ -168,33 +181,58 @@ class RequestFlow:
         """Run `step` on its best replica (near the inputs' host), moving on when one is lost.
         The output's handles suit `then`'s likely replica (CUDA IPC on its GPU, shm on its
         host, else fetch); without `then`, this process, which has no GPU, consumes it."""
-        tried: set[str] = set()
-        model = req.params.model
-        for _ in range(ATTEMPTS):
-            replica = await self._replica_for(req, step, near, frozenset(tried))
-            consumer = Consumer(self.transport.host_id)
-            # Outputs suit the next step's likely replica; with none now (one restarting) they
-            # suit this process, which any replica can fetch from.
-            if then is not None and self.pool.serving(then.stage, model, then.role):
-                assert replica.info is not None
-                info = self.pool.pick(then.stage, model, role=then.role, near_host=replica.info.host_id).info
-                if info is not None:
-                    consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
-            try:
-                state = await self._call(req, step, replica, inputs, consumer, outputs, stream_in)
-                return StepOutput(step, replica.address, state)
-            except ReplicaLost as lost:
-                tried.add(replica.address)
-                req.failovers.append(replica.address)
-                log.warning("request %s: %s; moving on", req.request_id, lost.message)
-            except NotFound:
-                if step.name not in req.checkpoints:
-                    raise
-                log.warning("request %s: %s checkpoint gone; restarting the step", req.request_id, step.name)
-                req.leases.drop(*req.checkpoints.pop(step.name))
-        raise Unavailable(
-            f"request {req.request_id}: no {step.stage} replica could finish {step.name}; retry later"
-        )
+        with self._counted(req, step):
+            tried: set[str] = set()
+            model = req.params.model
+            for _ in range(ATTEMPTS):
+                replica = await self._replica_for(req, step, near, frozenset(tried))
+                consumer = Consumer(self.transport.host_id)
+                # Outputs suit the next step's likely replica; with none now (one restarting) they
+                # suit this process, which any replica can fetch from.
+                if then is not None and self.pool.serving(then.stage, model, then.role):
+                    assert replica.info is not None
+                    info = self.pool.pick(
+                        then.stage, model, role=then.role, near_host=replica.info.host_id
+                    ).info
+                    if info is not None:
+                        consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
+                try:
+                    state = await self._call(req, step, replica, inputs, consumer, outputs, stream_in)
+                    return StepOutput(step, replica.address, state)
+                except ReplicaLost as lost:
+                    tried.add(replica.address)
+                    req.failovers.append(replica.address)
+                    log.warning("request %s: %s; moving on", req.request_id, lost.message)
+                except NotFound:
+                    if step.name not in req.checkpoints:
+                        raise
+                    log.warning(
+                        "request %s: %s checkpoint gone; restarting the step", req.request_id, step.name
+                    )
+                    req.leases.drop(*req.checkpoints.pop(step.name))
+            raise Unavailable(
+                f"request {req.request_id}: no {step.stage} replica could finish {step.name}; retry later"
+            )
+
+    @contextlib.contextmanager
+    def _counted(self, req: _Request, step: PlanStep) -> Iterator[None]:
+        """`req` counts in `step`'s in_step while the block runs."""
+        key = (req.shape, step.name)
+        self.in_step[key] += 1
+        try:
+            yield
+        finally:
+            self.in_step[key] -= 1
+            if not self.in_step[key]:
+                del self.in_step[key]
+
+    def followers(self, req: _Request, step: PlanStep) -> int:
+        """Requests of `req`'s shape now in the steps that produce `step`'s inputs: they will
+        likely reach `step`'s stage within moments (a burst of requests encoded in waves)."""
+        if req.plan is None:
+            return 0
+        before = {p.name for name in step.consumes if (p := req.plan.producer(name)) is not None}
+        return sum(self.in_step.get((req.shape, name), 0) for name in before)
 
     async def _replica_for(self, req: _Request, step: PlanStep, near: str, tried: frozenset[str]) -> Replica:
         """The best healthy replica for `step`, not one this request lost already. With none,
@@ -270,6 +308,7 @@ class RequestFlow:
             preview_every=req.options.preview_every if step.progress == "steps" else 0,
             outputs=outputs,
             streaming=stream_in is not None,
+            followers=self.followers(req, step) if step.progress == "steps" else 0,
         )
         if step.resumable:
             # Checkpoints serve failover: without another replica to resume on they only cost.

@@ -15,7 +15,7 @@ import torch
 
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import to_png, to_rgb8
-from omni_common.models.base import StageState
+from omni_common.models.base import StageContext, StageState
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import VAE_BATCH_PIXELS
 from omni_common.runtime.roles import RoleLimits
@@ -26,6 +26,11 @@ DEFAULT_IMAGE_OUTPUTS = frozenset({"png"})
 
 
 class DecodeWorker(Worker):
+    def stage_context(self) -> StageContext:
+        return replace(
+            super().stage_context(), compile=self.compile_flag(), capture_sizes=self.config.capture_sizes
+        )
+
     def role_limits(self) -> RoleLimits:
         pixels = self.config.max_batch_pixels
         if pixels < 0:
@@ -49,11 +54,11 @@ def _image_outputs(wanted: frozenset[str]) -> frozenset[str]:
 
 
 def _encoded(state: StageState, wanted: frozenset[str]) -> StageState:
-    """The requested encodings of a state's float [3, H, W] image."""
-    image = state.tensors["image"].cpu()
+    """The requested encodings of a state's float [3, H, W] image (on the device)."""
+    image = state.tensors["image"]
     tensors: dict[str, torch.Tensor] = {}
     if "image" in wanted:
-        tensors["image"] = image
+        tensors["image"] = image.cpu()
     if wanted & {"png", "rgb8"}:
         pixels = to_rgb8(image)
         if "rgb8" in wanted:

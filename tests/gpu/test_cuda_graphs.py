@@ -18,6 +18,7 @@ from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.models.qwenimage.warmup import REAL_TEXT_TOKENS
+from omni_common.runtime import compile_cache
 from omni_common.runtime.memory import WeightSleeper, discover_modules
 
 pytestmark = [
@@ -92,11 +93,28 @@ def test_sizes_asked_for_are_captured_at_load(tiny_model: Path) -> None:
     embeds = torch.cat([embeds, embeds], dim=1)[:, : REAL_TEXT_TOKENS[0]]
     graphed(denoiser, latents, timestep, embeds, img_shapes)
     latents, timestep, embeds, img_shapes = forward_inputs(denoiser, 2, 0)
+    embeds = torch.cat([embeds] * 4, dim=1)[:, :30]  # padded to 32 tokens
     mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=DEVICE)
     mask[1, 5:] = 0  # the second prompt is shorter
     with torch.inference_mode():
         denoiser._forward(latents, timestep, embeds, mask, img_shapes)
     assert len(denoiser.graphed.cache) == 3  # both served by graphs captured ahead
+
+
+def test_a_warm_start_captures_nothing_at_load_and_graphs_what_requests_bring(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether each bucket's replay pays is kept in the compile cache: a restarted stage
+    captures no made-up shapes at load, and a request's shapes are captured on first use."""
+    monkeypatch.setattr(compile_cache, "_directory", tmp_path)
+    options = DenoiserOptions(cuda_graphs=True, capture_sizes=((64, 64),), max_batch=2)
+    assert len(QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options).graphed.cache) == 3
+    restarted = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
+    assert len(restarted.graphed.cache) == 0
+    args = forward_inputs(restarted, 1, 3)
+    torch.testing.assert_close(graphed(restarted, *args), eager(restarted, *args), atol=ATOL, rtol=0)
+    assert len(restarted.graphed.cache) == 1
+    torch.testing.assert_close(graphed(restarted, *args), eager(restarted, *args), atol=ATOL, rtol=0)
 
 
 def test_a_lone_prompt_replays_a_graph_of_its_own_length_without_a_mask(denoiser) -> None:
@@ -222,3 +240,27 @@ def test_padded_rows_run_as_they_are_where_the_replay_cannot_pay_for_them(denois
     captured.speedup = 3.0  # launch-bound: a replay of 4 beats 3 run eagerly
     with torch.inference_mode():
         assert denoiser.graphed(latents, timestep, embeds, None, img_shapes) is not None
+
+
+def test_graphs_of_common_prompt_lengths_are_captured_while_idle(tiny_model: Path) -> None:
+    """After the warm-up the stage captures one graph per common prompt length while idle;
+    a request of such a length then replays from its first step, capturing nothing."""
+    from omni_common.models.qwenimage.warmup import IDLE_CAPTURE_TOKENS
+
+    options = DenoiserOptions(cuda_graphs=True, capture_sizes=((64, 64),), max_batch=1)
+    denoiser = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
+    assert denoiser.idle_work_left() == len(IDLE_CAPTURE_TOKENS)
+    units = 0
+    while denoiser.idle_work():
+        units += 1
+    assert denoiser.idle_work_left() == 0
+    assert units == len(IDLE_CAPTURE_TOKENS) - 1  # REAL_TEXT_TOKENS[0]'s came with the warm-up
+    captured = len(denoiser.graphed.cache)
+    length = 29
+    latents, timestep, embeds, img_shapes = forward_inputs(denoiser, 1, length)
+    embeds = torch.cat([embeds] * 4, dim=1)[:, :length]
+    args = (latents, timestep, embeds, img_shapes)
+    torch.testing.assert_close(graphed(denoiser, *args), eager(denoiser, *args), atol=ATOL, rtol=0)
+    assert len(denoiser.graphed.cache) == captured
+    denoiser.forget_cuda_graphs()  # a sleep: nothing more is captured while idle
+    assert not denoiser.idle_work() and denoiser.idle_work_left() == 0

@@ -9,15 +9,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 from omni_common.client import AsyncClient, Client
+from omni_common.cluster import free_port
 from omni_common.errors import Cancelled, DeadlineExceeded, OmniError, ResourceExhausted
+from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-from tests.integration.conftest import InProcessCluster
+from tests.integration.conftest import InProcessCluster, scrape
 from tests.integration.test_generate import wait_until_no_leases
 
 SMALL = {"width": 64, "height": 64, "steps": 4}
@@ -218,3 +221,36 @@ def test_coordinator_in_flight_limit_is_resource_exhausted(tiny_model: Path) -> 
         wait_until_no_leases(small)
     finally:
         small.stop()
+
+
+def test_a_burst_encoded_in_waves_starts_denoising_in_one_batch(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder takes one prompt at a time, each forward 40 ms (as a real text encoder's),
+    so 4 requests sent at once reach the DiT 40 ms apart. Each DiT call says how many like it
+    the coordinator still has in the encoder, and the DiT holds the first step for them: 4
+    requests of 4 steps take 4 forwards, not a forward for each late one."""
+    embed_texts = QwenImageEncoder.embed_texts
+
+    def slow_embed_texts(self: QwenImageEncoder, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.04)
+        return embed_texts(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenImageEncoder, "embed_texts", slow_embed_texts)
+    port = free_port()
+    burst = InProcessCluster(
+        tiny_model, stage_options={"ar-encoder": {"max_batch": 1}, "dit-denoise": {"metrics_port": port}}
+    )
+    burst.start()
+    try:
+
+        async def main() -> list[object]:
+            async with AsyncClient(burst.coordinator) as client:
+                sent = (client.generate_result(f"a burst, prompt {i}", seed=i, **SMALL) for i in range(4))
+                return list(await asyncio.gather(*sent))
+
+        assert all(result.image.size == (64, 64) for result in asyncio.run(main()))  # type: ignore[attr-defined]
+        labels = frozenset({"stage": "dit-denoise", "role": "denoise"}.items())
+        assert scrape(port)[("omnistage_steps", labels)] == SMALL["steps"]
+    finally:
+        burst.stop()

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from omni_common.models.base import GenerationRequest, StageState, StepRunner, S
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.calls import StageCall
-from omni_common.runtime.step_scheduler import StepScheduler
+from omni_common.runtime.step_scheduler import FOLLOWERS_WAIT_S, StepScheduler
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -146,6 +147,77 @@ def test_a_batch_window_gathers_requests_that_arrive_apart(runners, overlap) -> 
 
     assert run_async(lambda compute: main(compute, 0.5)) == [2, 2, 2]
     assert run_async(lambda compute: main(compute, 0.0))[0] == 1
+
+
+def test_a_request_waits_for_the_followers_its_call_announces(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+    """A call that says 2 more like it are coming (the coordinator saw them in the encoder)
+    holds its first step for them, within FOLLOWERS_WAIT_S: the 3 share every forward. One
+    whose announced followers never come starts alone once the wait is over."""
+    calls = [call(runners, f"burst {i}", seed=i, num_inference_steps=3) for i in range(3)]
+
+    async def main(compute: Compute, followers: int, arrive: int) -> tuple[list[int], float]:
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
+        first = replace(calls[0], followers=followers)
+        started = time.monotonic()
+        tasks = [asyncio.create_task(result_of(scheduler.run(first)))]
+        await asyncio.sleep(FOLLOWERS_WAIT_S / 4)  # the next wave, later than the admission wait
+        tasks += [asyncio.create_task(result_of(scheduler.run(c))) for c in calls[1 : 1 + arrive]]
+        await asyncio.gather(*tasks)
+        scheduler.close()
+        return list(scheduler.batch_sizes), time.monotonic() - started
+
+    sizes, _ = run_async(lambda compute: main(compute, 2, 2))
+    assert sizes == [3, 3, 3]
+    sizes, _ = run_async(lambda compute: main(compute, 0, 2))
+    assert sizes[0] == 1  # nothing announced: no wait
+    sizes, took = run_async(lambda compute: main(compute, 5, 0))
+    assert sizes == [1, 1, 1] and took >= FOLLOWERS_WAIT_S
+
+
+class IdleCounting(QwenImageDenoiser):
+    """The tiny denoiser with `units` of idle work (a GPU denoiser's graphs captured ahead)."""
+
+    units = 0
+    done_while_busy = 0
+    scheduler: StepScheduler | None = None
+
+    def idle_work(self) -> bool:
+        if self.units == 0:
+            return False
+        if self.scheduler is not None and self.scheduler.jobs:
+            self.done_while_busy += 1
+        self.units -= 1
+        time.sleep(0.01)
+        return True
+
+    def idle_work_left(self) -> int:
+        return self.units
+
+
+def test_idle_work_runs_between_requests_and_never_beside_one(runners, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    runner = IdleCounting.load(tiny_model, CPU, torch.float32)
+    c = call(runners, "a quiet stage", seed=3, num_inference_steps=3)
+
+    async def main(compute: Compute) -> StageState:
+        scheduler = runner.scheduler = StepScheduler(runner, compute)
+        runner.units = 5
+        first = await result_of(scheduler.run(c))  # the loop starts with the first request
+        for _ in range(100):
+            if runner.units == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.units == 0  # done while no request was here
+        runner.units = 1000
+        second = await result_of(scheduler.run(c))
+        await asyncio.sleep(0.05)
+        assert runner.units < 1000  # idle again after the request: back to work
+        scheduler.close()
+        assert scheduler.totals.idle_work_left == runner.units
+        torch.testing.assert_close(second.tensors["latents"], first.tensors["latents"], atol=TOL, rtol=0)
+        return first
+
+    run_async(main)
+    assert runner.done_while_busy == 0
 
 
 def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:  # type: ignore[no-untyped-def]

@@ -30,7 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
-from omni_common.models.latents import LatentState, LatentSteps, latent_preview
+from omni_common.models.latents import LatentState, LatentSteps, latent_preview, to_device
 from omni_common.models.lora import LoraLayers, RowAdapters
 from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
 from omni_common.models.qwenimage.lora import read_qwenimage_lora
@@ -43,7 +43,7 @@ from omni_common.models.qwenimage.step_cache import (
     log_reuse,
     step_cache_threshold,
 )
-from omni_common.models.qwenimage.warmup import warm_up
+from omni_common.models.qwenimage.warmup import IDLE_CAPTURE_TOKENS, warm_up
 from omni_common.models.weights import load_component
 from omni_common.runtime.cuda_graphs import Inputs
 
@@ -169,6 +169,9 @@ class QwenImageDenoiser(LatentSteps):
                 self.dtype,
                 self.device,
             )
+        if self.graphed is not None:
+            sizes = [self.img_shape(width, height) for width, height in options.capture_sizes]
+            self.graphed.plan_idle_captures(sizes, IDLE_CAPTURE_TOKENS, self.dtype)
 
     def _with_modulation(self, inputs: Inputs) -> Inputs:
         """Warm-up inputs with packed modulation rows (zeros) when the forward takes them."""
@@ -189,7 +192,8 @@ class QwenImageDenoiser(LatentSteps):
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> QwenImageDenoiseState:
         """Initial noise exactly as the pipeline draws it, timesteps, a fresh scheduler."""
-        embeds = {k: v.to(self.device) for k, v in inputs.tensors.items()}
+        # Nothing here waits for the device: the steps of the running batch go on meanwhile.
+        embeds = {k: to_device(v, self.device) for k, v in inputs.tensors.items()}
         if "prompt_embeds" not in embeds:
             raise InvalidArgument("denoise input lacks the tensor 'prompt_embeds'")
         if request.do_true_cfg and "negative_prompt_embeds" not in embeds:
@@ -199,9 +203,11 @@ class QwenImageDenoiser(LatentSteps):
         width = 2 * (request.width // (self.vae_scale_factor * 2))
         # The pipeline's generator is a CPU one: noise is drawn on the CPU, then moved.
         generator = torch.Generator("cpu").manual_seed(request.seed)
+        cpu = torch.device("cpu")
         noise = randn_tensor(
-            (1, 1, channels, height, width), generator=generator, device=self.device, dtype=self.dtype
+            (1, 1, channels, height, width), generator=generator, device=cpu, dtype=self.dtype
         )
+        noise = to_device(noise, self.device)
         latents = QwenImagePipeline._pack_latents(noise, 1, channels, height, width)
         img_shapes = [[self.img_shape(request.width, request.height)]]
 
@@ -220,7 +226,10 @@ class QwenImageDenoiser(LatentSteps):
             scheduler.config.get("base_shift", 0.5),
             scheduler.config.get("max_shift", 1.15),
         )
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
+        # Made on the CPU, as the pipeline makes them before it moves them (the same values).
+        retrieve_timesteps(scheduler, steps, cpu, sigmas=sigmas, mu=mu)  # type: ignore[arg-type]
+        scheduler.sigmas = to_device(scheduler.sigmas, self.device)
+        timesteps = scheduler.timesteps = to_device(scheduler.timesteps, self.device)
         scheduler.set_begin_index(0)
         threshold = step_cache_threshold(request)
         if threshold > 0:
@@ -484,9 +493,23 @@ class QwenImageDenoiser(LatentSteps):
         )
         return latent_preview(latents[0, :, 0])
 
+    def idle_work(self) -> bool:
+        """While no request is here: capture one more graph of a common prompt length
+        (GraphedTransformer.capture_idle); False when there is nothing left to do (or the
+        weights are not on the device: asleep)."""
+        if self.graphed is None or self.loras.active:
+            return False
+        if next(self.transformer.parameters()).device != self.device:
+            return False
+        with torch.inference_mode():
+            return self.graphed.capture_idle()
+
+    def idle_work_left(self) -> int:
+        return 0 if self.graphed is None else self.graphed.idle_captures_left
+
     def forget_cuda_graphs(self) -> None:
         if self.graphed is not None:
-            self.graphed.cache.clear()
+            self.graphed.clear()
         if self.modulation is not None:  # device memory a sleep gives back too; rebuilt on use
             self.modulation.clear()
 

@@ -138,4 +138,5 @@ class QwenImageFamily:
             return QwenImageDenoiser.load(Path(model_dir), context.device, context.dtype, context.denoiser)
         from omni_common.models.qwenimage.decode import QwenImageDecoder
 
-        return QwenImageDecoder.load(Path(model_dir), context.device, context.dtype)
+        sizes = context.capture_sizes if context.compile else ()
+        return QwenImageDecoder.load(Path(model_dir), context.device, context.dtype, sizes)

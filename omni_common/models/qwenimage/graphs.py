@@ -5,11 +5,13 @@ BATCH_BUCKETS (extra rows repeat the first, and are dropped). Rows whose prompts
 length and no mask (one request, or requests of equal prompt lengths) get a graph of that
 exact length: no mask, so attention keeps its fastest kernel (cuDNN's flash kernel on an H200
 runs a masked joint attention ~1.7x slower: 13 ms of a 1024x1024 step, docs/benchmarks.md).
-Prompts of different lengths are padded to the next of TEXT_BUCKETS with zero embeddings
-masked out. That padding is exact in value: a masked text token reaches no other token (the
-joint attention's key mask). It is not bitwise: the masked attention kernel sums in another
-order than the unmasked one, so a graphed forward equals the eager one up to float rounding
-(tests/gpu check both).
+Prompts of different lengths are padded with zero embeddings masked out, to the next multiple
+of TEXT_ALIGN tokens: padding costs every row compute (8 prompts of 24-37 tokens padded to 64
+would add 2.5% to a 512x512 forward), so a graph per 8 tokens pays for itself. Whether a
+replay pays is timed once per TEXT_BUCKETS bucket. The padding is exact in value: a masked
+text token reaches no other token (the joint attention's key mask). It is not bitwise: the
+masked attention kernel sums in another order than the unmasked one, so a graphed forward
+equals the eager one up to float rounding (tests/gpu check both).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,7 @@ from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs, KeepDecision
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
+TEXT_ALIGN = 8  # masked graphs pad prompts to a multiple of this many tokens
 
 ImgShapes = list[list[tuple[int, int, int]]]
 # The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
@@ -82,6 +87,39 @@ def padded_inputs(
     return padded
 
 
+class GraphKey(NamedTuple):
+    """Which graph a forward replays: its inputs padded to `batch` rows and `text` prompt
+    tokens (the prompts' own length unmasked, the next multiple of TEXT_ALIGN masked), and
+    its `decision`: whether a replay pays is timed once per text bucket, so prompts of 17
+    and 23 tokens replay alike and a new length does not time its graph again."""
+
+    batch: int
+    text: int
+    decision: tuple[object, ...]
+
+    @property
+    def graph(self) -> tuple[object, ...]:
+        return (*self.decision, self.text)
+
+
+def graph_key(
+    rows: int,
+    img_shape: tuple[int, int, int],
+    length: int,
+    masked: bool,
+    dtype: torch.dtype,
+    modulated: bool,
+) -> GraphKey | None:
+    """The graph of a forward of `rows` prompts of up to `length` tokens; None when no
+    bucket holds it."""
+    batch, text = bucket(rows, BATCH_BUCKETS), bucket(length, TEXT_BUCKETS)
+    if batch is None or text is None:
+        return None
+    frames, height, width = img_shape
+    decision = (batch, text, masked, frames * height * width, img_shape, dtype, modulated)
+    return GraphKey(batch, min(-(-length // TEXT_ALIGN) * TEXT_ALIGN, text) if masked else length, decision)
+
+
 @contextlib.contextmanager
 def capturable_text_mask() -> Iterator[None]:
     """While capturing, swap diffusers' `compute_text_seq_len_from_mask` for one without its
@@ -130,6 +168,8 @@ class GraphedTransformer:
         self.cache = CudaGraphCache(
             device, max_graphs=max_graphs, decisions=keep_decisions(transformer, device)
         )
+        # Graphs to capture while the stage is idle: (image shape, prompt tokens, dtype).
+        self._idle: deque[tuple[tuple[int, int, int], int, torch.dtype]] = deque()
 
     def __call__(
         self,
@@ -140,54 +180,83 @@ class GraphedTransformer:
         img_shapes: ImgShapes,
         modulation: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        rows, image_tokens = latents.shape[:2]
-        length = embeds.shape[1]
-        batch, text = bucket(rows, BATCH_BUCKETS), bucket(length, TEXT_BUCKETS)
-        if batch is None or text is None:
-            return None
-        masked = mask is not None
-        # Whether a replay pays is decided once per text bucket (decision_key): prompts of
-        # 17 and 23 tokens replay alike, and a new length must not time its graph again.
-        decision_key = (
-            batch,
-            text,
-            masked,
-            image_tokens,
-            img_shapes[0][0],
-            latents.dtype,
-            modulation is not None,
+        rows = latents.shape[0]
+        key = graph_key(
+            rows, img_shapes[0][0], embeds.shape[1], mask is not None, latents.dtype, modulation is not None
         )
-        key = decision_key if masked else (*decision_key, length)
-        if not masked:
-            text = length
-        speedup = self.cache.speedup(key)
-        if speedup is not None and speedup * rows < batch:
+        if key is None:
+            return None
+        speedup = self.cache.speedup(key.graph)
+        if speedup is not None and speedup * rows < key.batch:
             # The padded rows would cost more than the replay saves (compute-bound shapes):
             # 3 requests at 1024x1024 run as 3, not as a replay of 4.
             return None
-        inputs = padded_inputs(latents, timestep, embeds, mask, batch, text, modulation)
-        shapes = [img_shapes[0]] * batch
+        inputs = padded_inputs(latents, timestep, embeds, mask, key.batch, key.text, modulation)
+        shapes = [img_shapes[0]] * key.batch
 
         def run(static: Inputs) -> torch.Tensor:
             with capturable_text_mask():
                 return self.forward(self.transformer, static, shapes)
 
-        output = self.cache.run(key, inputs, run, decision_key=decision_key)
+        output = self.cache.run(key.graph, inputs, run, decision_key=key.decision)
         return None if output is None else output[:rows]
 
-    def capture(
+    def time_bucket(
         self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype, *, masked: bool
     ) -> None:
-        """Capture (and compile) the graph of `rows` requests at one image shape (frames,
-        patch rows, patch columns) ahead of the first request: `masked`, the bucket of
-        prompts padded to `text` tokens; otherwise prompts of exactly `text` tokens."""
+        """Time whether a replay pays for the bucket of `rows` requests at one image shape
+        (frames, patch rows, patch columns), by capturing (and compiling) its graph ahead of
+        the first request: `masked`, prompts padded to `text` tokens; otherwise prompts of
+        exactly `text` tokens. Nothing to do when that is known already (the compile cache
+        remembers it): a warm start captures no graph of made-up lengths."""
+        key = graph_key(rows, img_shape, text, masked, dtype, self.modulation_width is not None)
+        if key is None:
+            raise ValueError(f"no graph bucket holds {rows} rows of {text} prompt tokens")
+        if not self.cache.decided(key.decision):
+            self._capture(rows, img_shape, text, dtype, masked=masked)
+
+    def plan_idle_captures(
+        self, img_shapes: list[tuple[int, int, int]], lengths: range, dtype: torch.dtype
+    ) -> None:
+        """Graphs for one request at each of `img_shapes` with a prompt of each of `lengths`
+        tokens, captured one by one while the stage is idle (capture_idle): a request of such
+        a length then replays from its first step, instead of paying a capture (0.1-0.3 s on
+        an H200, most of it host time, at either size)."""
+        self._idle = deque((shape, length, dtype) for length in lengths for shape in img_shapes)
+
+    def capture_idle(self) -> bool:
+        """Capture the next planned graph that no request has captured yet, where replays
+        are known to pay; False when none is left."""
+        while self._idle:
+            img_shape, length, dtype = self._idle.popleft()
+            key = graph_key(1, img_shape, length, False, dtype, self.modulation_width is not None)
+            if key is None or self.cache.speedup(key.graph) is not None or not self.cache.pays(key.decision):
+                continue
+            self._capture(1, img_shape, length, dtype, masked=False)
+            return True
+        return False
+
+    @property
+    def idle_captures_left(self) -> int:
+        return len(self._idle)
+
+    def clear(self) -> None:
+        """Drop every graph, and the plan of graphs to capture while idle (the weights are about
+        to move: after a wake, requests capture what they need)."""
+        self.cache.clear()
+        self._idle.clear()
+
+    def _capture(
+        self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype, *, masked: bool
+    ) -> None:
+        """Run the graphed forward once on zeros of that shape: captures its graph if new."""
         frames, height, width = img_shape
-        channels = self.transformer.config["in_channels"]
-        dim = self.transformer.config["joint_attention_dim"]
-        mask = torch.ones((rows, text), dtype=torch.long, device=self.device) if masked else None
         modulation = None
         if self.modulation_width is not None:
             modulation = torch.zeros((rows, self.modulation_width), dtype=dtype, device=self.device)
+        channels = self.transformer.config["in_channels"]
+        dim = self.transformer.config["joint_attention_dim"]
+        mask = torch.ones((rows, text), dtype=torch.long, device=self.device) if masked else None
         self(
             torch.zeros((rows, frames * height * width, channels), dtype=dtype, device=self.device),
             torch.full((rows,), 1000.0, dtype=dtype, device=self.device),

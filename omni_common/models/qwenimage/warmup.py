@@ -2,10 +2,11 @@
 
 For each size the stage is told it will serve (--capture-sizes) and each batch bucket up to
 --max-batch, the warm-up runs every forward a request of that shape can take:
-- the CUDA graphs (graphs.GraphedTransformer), captured where a replay pays: for one request,
-  a graph of one exact prompt length (unmasked; other lengths are captured on first use, once
-  whether a replay pays is known); for several, the buckets of prompts of different lengths
-  padded to 32 and 64 tokens under a mask;
+- the CUDA graphs (graphs.GraphedTransformer), to time whether a replay pays: for one request,
+  a graph of one exact prompt length (unmasked); for several, prompts of different lengths
+  padded to 32 and 64 tokens under a mask. Requests capture the lengths they bring on first
+  use, timed no more. With the compile cache, the timings of a previous start are known and
+  nothing is captured here: a graph of made-up lengths would serve few requests;
 - the forward on real shapes, which a bucket without a graph runs: unmasked at two prompt
   lengths and masked once (prompts of different lengths batched), at one and two requests
   of each size, so the compiled blocks take the prompt length, the batch and the image size
@@ -31,6 +32,9 @@ log = logging.getLogger("omnistage.warmup")
 # Graphs captured at start cover prompts of up to this many tokens (most prompts); a longer
 # prompt's bucket is captured when it first comes.
 CAPTURE_TEXT_TOKENS = 64
+# Prompt lengths whose graphs (one request, each size warmed up) are captured while the stage
+# is idle, after the warm-up: most prompts once the template's prefix is dropped.
+IDLE_CAPTURE_TOKENS = range(4, CAPTURE_TEXT_TOKENS + 1)
 # Two real prompt lengths: the second makes the compiler generalise the first.
 REAL_TEXT_TOKENS = (17, 23)
 # Real shapes run at these batch sizes: 1 is compiled on its own, 2 makes the batch dynamic.
@@ -58,10 +62,10 @@ def warm_up(
         _, height, width = img_shape
         with torch.inference_mode():
             if graphed is not None and batch == 1:
-                graphed.capture(batch, img_shape, REAL_TEXT_TOKENS[0], dtype, masked=False)
+                graphed.time_bucket(batch, img_shape, REAL_TEXT_TOKENS[0], dtype, masked=False)
             elif graphed is not None:
                 for text in (t for t in TEXT_BUCKETS if t <= CAPTURE_TEXT_TOKENS):
-                    graphed.capture(batch, img_shape, text, dtype, masked=True)
+                    graphed.time_bucket(batch, img_shape, text, dtype, masked=True)
             if batch in REAL_SHAPE_BATCHES:
                 real_shapes(forward, batch, img_shape, channels, text_dim, dtype, device)
         log.info(

@@ -22,6 +22,7 @@ from omni_common.models.qwenimage.graphs import (
     TEXT_BUCKETS,
     bucket,
     capturable_text_mask,
+    graph_key,
     padded_inputs,
 )
 from omni_common.runtime.config import parse_sizes
@@ -63,6 +64,20 @@ def test_bucket_is_the_smallest_that_holds_the_value() -> None:
     assert bucket(8, BATCH_BUCKETS) == 8
     assert bucket(33, TEXT_BUCKETS) == 64
     assert bucket(TEXT_BUCKETS[-1] + 1, TEXT_BUCKETS) is None
+
+
+def test_masked_prompts_pad_to_eight_tokens_and_share_their_bucket_s_decision() -> None:
+    shape = (1, 32, 32)
+    masked = [graph_key(8, shape, length, True, torch.bfloat16, True) for length in (25, 32, 33, 37, 64)]
+    assert [key.text for key in masked if key] == [32, 32, 40, 40, 64]
+    assert all(key and key.batch == 8 for key in masked)
+    first, _, third, fourth, fifth = masked
+    assert first and third and fourth and fifth
+    assert third.graph == fourth.graph and third.graph != fifth.graph  # 33 and 37 tokens: one graph
+    assert third.decision == fifth.decision != first.decision  # timed once per text bucket
+    alone = graph_key(1, shape, 37, False, torch.bfloat16, True)
+    assert alone and alone.text == 37 and alone.batch == 1  # unmasked: the prompt's own length
+    assert graph_key(64, shape, 37, True, torch.bfloat16, True) is None  # no batch bucket of 64
 
 
 def test_padding_to_buckets_leaves_each_request_its_own_output(denoiser) -> None:

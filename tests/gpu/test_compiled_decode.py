@@ -1,0 +1,52 @@
+"""The Qwen-Image VAE decode compiled (the vae-decode stage's `--compile` on a GPU) on the tiny
+fixture: where it is kept its images equal the eager decoder's up to float rounding, and any
+other shape (a batch, another size) runs eagerly, compiling nothing mid-request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_common.models.base import StageState
+from omni_common.models.qwenimage import decode
+from omni_common.models.qwenimage.decode import QwenImageDecoder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled on CUDA only)"),
+]
+
+DEVICE = torch.device("cuda", 0)
+
+
+def states(decoder: QwenImageDecoder, size: int, count: int) -> list[StageState]:
+    """`count` packed latents of `size` x `size` images (2x2 patches of the VAE's channels)."""
+    generator = torch.Generator().manual_seed(size + count)
+    shape = (1, (size // (decoder.vae_scale_factor * 2)) ** 2, decoder.vae.config["z_dim"] * 4)
+    return [
+        StageState(
+            {"latents": torch.randn(shape, generator=generator)},
+            {"height": str(size), "width": str(size)},
+        )
+        for _ in range(count)
+    ]
+
+
+def test_a_compiled_decode_gives_the_eager_images_and_other_shapes_stay_eager(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._dynamo.utils import counters
+
+    eager = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32)
+    monkeypatch.setattr(decode, "KEEP_IF_FASTER", float("inf"))  # keep it, however fast it runs
+    compiled = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32, compile_sizes=[(64, 64)])
+    side = 64 // eager.vae_scale_factor
+    assert compiled._compiled_shapes == {(1, eager.vae.config["z_dim"], 1, side, side)}
+    graphs_after_load = counters["stats"]["unique_graphs"]
+    for size, count in ((64, 1), (64, 2), (32, 1)):
+        inputs = states(eager, size, count)
+        for got, want in zip(compiled.decode(inputs), eager.decode(inputs), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert counters["stats"]["unique_graphs"] == graphs_after_load
