@@ -267,6 +267,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     self.transport.release(self.transport.lease_ids(output))
                     raise
                 sent.extend(self.transport.lease_ids(output))
+                self.transport.sent(rid, self.transport.lease_ids(output))
             code = grpc.StatusCode.OK
         except OmniError as err:
             code = err.code

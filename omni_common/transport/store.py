@@ -53,7 +53,10 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
     async def Release(
         self, request: tensor_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> tensor_pb2.ReleaseResponse:
-        return tensor_pb2.ReleaseResponse(released=self.transport.release(request.lease_ids))
+        released = self.transport.release(request.lease_ids)
+        if request.request_id:
+            released += self.transport.release_request(request.request_id[:128])
+        return tensor_pb2.ReleaseResponse(released=released)
 
 
 def add_tensor_store(server: grpc.aio.Server, transport: TensorTransport) -> None:
@@ -116,10 +119,13 @@ async def fetch_remote(
     return t
 
 
-async def release_remote(address: str, lease_ids: list[str]) -> int:
-    """Ask the producer at `address` to release leases; returns how many were live."""
+async def release_remote(address: str, lease_ids: list[str], request_id: str = "") -> int:
+    """Ask the producer at `address` to release leases (and those of the results it sent for
+    `request_id`); returns how many were live."""
     try:
-        reply = await _stub(address).Release(tensor_pb2.ReleaseRequest(lease_ids=lease_ids))
+        reply = await _stub(address).Release(
+            tensor_pb2.ReleaseRequest(lease_ids=lease_ids, request_id=request_id)
+        )
     except grpc.aio.AioRpcError as e:
         raise error_from_rpc(e) from None
     return int(reply.released)

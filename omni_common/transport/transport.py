@@ -15,6 +15,7 @@ import atexit
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from .route import Consumer, host_id_default, say_once, use_cuda_ipc
 
 # Above this size an import runs in a worker thread so the event loop keeps serving.
 _THREAD_COPY_BYTES = 4 << 20
+SENT_REQUESTS = 4096  # requests whose sent results release_request can still end
 SAME_HOST = Consumer()
 
 
@@ -80,6 +82,8 @@ class TensorTransport:
         self._arena = ShmArena(self.shm_dir, self.token, segment_bytes)
         self._table: LeaseTable | None = None  # made on the first leased export
         self._leases: dict[int, Lease] = {}
+        # Lease ids of the results sent per request id, newest last (release_request).
+        self._sent: OrderedDict[str, list[str]] = OrderedDict()
         self._generation = 0
         self._lock = threading.RLock()
         self._closed = False
@@ -170,6 +174,20 @@ class TensorTransport:
             if key.token == self.token and self._free(key):
                 released += 1
         return released
+
+    def sent(self, request_id: str, lease_ids: list[str]) -> None:
+        """`lease_ids` went out in a result for `request_id`: release_request may end them."""
+        with self._lock:
+            self._sent.setdefault(request_id, []).extend(lease_ids)
+            self._sent.move_to_end(request_id)
+            while len(self._sent) > SENT_REQUESTS:
+                self._sent.popitem(last=False)  # long read or expired: their TTL ends them
+
+    def release_request(self, request_id: str) -> int:
+        """Free the leases of the results sent for `request_id` (ReleaseRequest.request_id)."""
+        with self._lock:
+            lease_ids = self._sent.pop(request_id, [])
+        return self.release(lease_ids)
 
     def live_leases(self) -> int:
         with self._lock:

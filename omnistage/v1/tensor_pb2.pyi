@@ -100,10 +100,12 @@ class TensorChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "request_id")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -43,7 +43,7 @@ from omni_common.runtime.rpc import CHUNK_BYTES
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
-from services.coordinator.leases import Leases
+from services.coordinator.leases import Leases, release_later
 from services.coordinator.offload import SwapPolicy
 from services.coordinator.registry import Replica, ReplicaPool
 from services.coordinator.step_cache import CachedOutput, StepCache
@@ -341,6 +341,11 @@ class RequestFlow:
                     elif event.HasField("result"):
                         result = event.result
                         req.leases.add(replica.address, result.output)
+        except asyncio.CancelledError:
+            # The request is over (cancelled): a result on its way now would never be read,
+            # and its leases would live until their TTL. The replica ends them by request id.
+            release_later(self.transport, replica.address, [], req.request_id)
+            raise
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(
                 err

@@ -42,21 +42,24 @@ class Leases:
 _pending: set[asyncio.Task[None]] = set()
 
 
-def release_later(transport: TensorTransport, producer: str, lease_ids: list[str]) -> None:
-    """Release `lease_ids` at `producer` in the background (this process's own: at once)."""
-    if not lease_ids:
+def release_later(
+    transport: TensorTransport, producer: str, lease_ids: list[str], request_id: str = ""
+) -> None:
+    """Release `lease_ids` at `producer` in the background (this process's own: at once), and
+    with `request_id` whatever results it sent for that request (an abandoned call's)."""
+    if not lease_ids and not request_id:
         return
     if producer == transport.address:
         transport.release(lease_ids)
         return
-    task = asyncio.get_running_loop().create_task(_release(transport, producer, lease_ids))
+    task = asyncio.get_running_loop().create_task(_release(transport, producer, lease_ids, request_id))
     _pending.add(task)
     task.add_done_callback(_pending.discard)
 
 
-async def _release(transport: TensorTransport, producer: str, lease_ids: list[str]) -> None:
+async def _release(transport: TensorTransport, producer: str, lease_ids: list[str], request_id: str) -> None:
     try:
-        await release_remote(producer, lease_ids)
+        await release_remote(producer, lease_ids, request_id)
     except Exception as err:
         log.warning("could not release %d leases at %s (%s)", len(lease_ids), producer, err)
         # A dead producer on this host leaves its segments behind: sweep them.

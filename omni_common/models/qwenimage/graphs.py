@@ -225,12 +225,14 @@ class GraphedTransformer:
         self._idle = deque((shape, length, dtype) for length in lengths for shape in img_shapes)
 
     def capture_idle(self) -> bool:
-        """Capture the next planned graph that no request has captured yet, where replays
-        are known to pay; False when none is left."""
+        """Capture the next planned graph that no request has captured yet, unless replays are
+        known not to pay (a text bucket not timed yet is timed now); False when none is left."""
         while self._idle:
             img_shape, length, dtype = self._idle.popleft()
             key = graph_key(1, img_shape, length, False, dtype, self.modulation_width is not None)
-            if key is None or self.cache.speedup(key.graph) is not None or not self.cache.pays(key.decision):
+            if key is None or self.cache.speedup(key.graph) is not None:
+                continue
+            if self.cache.decided(key.decision) and not self.cache.pays(key.decision):
                 continue
             self._capture(1, img_shape, length, dtype, masked=False)
             return True

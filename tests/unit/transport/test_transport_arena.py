@@ -77,6 +77,20 @@ def test_release_is_idempotent_and_frees_memory(make_transport) -> None:
     assert tr.export("again", torch.ones(1000)).shm.offset == 0
 
 
+def test_the_results_sent_for_a_request_are_released_by_its_id(make_transport) -> None:
+    """A caller that abandoned a call cannot name a result that was on its way: the request id
+    ends it (and only the results sent for that request)."""
+    tr = make_transport(inline_threshold=0)
+    ids = [tr.export(f"t{i}", torch.ones(1000)).shm.lease_id for i in range(3)]
+    tr.sent("request-a", ids[:2])
+    tr.sent("request-b", ids[2:])
+    assert tr.release_request("unknown") == 0
+    assert tr.release_request("request-a") == 2
+    assert tr.live_leases() == 1
+    assert tr.release_request("request-a") == 0  # once
+    assert tr.release(ids[2:]) == 1 and tr.release_request("request-b") == 0  # read and released
+
+
 def test_expired_leases_are_reaped(make_transport) -> None:
     tr = make_transport(inline_threshold=0, lease_ttl_s=0.1)
     ref = tr.export("x", torch.ones(1000))
