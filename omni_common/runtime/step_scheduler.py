@@ -53,7 +53,8 @@ IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are c
 # A batch of requests that have not stepped yet waits at most this long (from the first one's
 # admission) for requests still being admitted: joining a step later, each would make every
 # request ahead of it pay one more forward (4 requests sent together: 3 forwards for 3 steps,
-# not 4). Requests that reach the stage in waves are gathered only by --batch-window-ms.
+# not 4). Requests that reach the stage in waves are gathered by their calls' followers
+# (below) or by --batch-window-ms.
 ADMIT_WAIT_S = 0.05
 # A batch of requests that have not stepped yet, whose calls say more like them are on their
 # way (StageCall.followers: a burst the encoder takes in waves), waits for them at most this
