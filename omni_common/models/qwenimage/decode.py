@@ -43,7 +43,8 @@ class QwenImageDecoder:
         batch, another size) run eagerly: compiling one would stall its request for seconds."""
         compiled = torch.compile(self.vae.decode, dynamic=False)
         for width, height in sizes:
-            latents = self._latent_zeros(width, height)
+            with torch.inference_mode():  # made as requests' latents are: no recompile for them
+                latents = self._latent_zeros(width, height)
             try:
                 eager_ms, compiled_ms = _decode_ms(self.vae.decode, latents), _decode_ms(compiled, latents)
             except Exception as err:  # an op the compiler cannot take: the VAE stays eager
