@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -81,17 +82,33 @@ async def cluster_side(
     async with AsyncClient(address) as client:
         await client.generate_result(PROMPTS[0], width=size, height=size, steps=steps)  # warm-up
 
-        async def request(worker: int, r: int) -> None:
-            await client.generate_result(
-                PROMPTS[(worker + r) % len(PROMPTS)],
-                width=size,
-                height=size,
-                steps=steps,
-                seed=worker * 100 + r,
-                progress_every=steps,
-            )
+        return await generate_loop(client, PROMPTS, size, steps, concurrency, rounds)
 
-        return await closed_loop(concurrency, rounds, request)
+
+async def generate_loop(
+    client: AsyncClient,
+    prompts: list[str],
+    size: int,
+    steps: int,
+    clients: int,
+    rounds: int,
+    options: Callable[[int], dict[str, Any]] = lambda worker: {},
+) -> dict[str, float]:
+    """closed_loop of generate requests: client w's round r sends prompts[(w + r) % n] with
+    seed w * 100 + r and the client's own `options(w)`."""
+
+    async def request(worker: int, r: int) -> None:
+        await client.generate_result(
+            prompts[(worker + r) % len(prompts)],
+            width=size,
+            height=size,
+            steps=steps,
+            seed=worker * 100 + r,
+            progress_every=steps,
+            **options(worker),
+        )
+
+    return await closed_loop(clients, rounds, request)
 
 
 async def closed_loop(

@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from batching import closed_loop
+from batching import generate_loop
 from diffusers import QwenImagePipeline
 
 from omni_common.client import AsyncClient
@@ -63,18 +63,15 @@ async def cluster_side(address: str, size: int, steps: int, adapters: int, round
             )
         )
 
-        async def request(worker: int, r: int) -> None:
-            await client.generate_result(
-                PROMPTS[(worker + r) % len(PROMPTS)],
-                width=size,
-                height=size,
-                steps=steps,
-                seed=worker * 100 + r,
-                progress_every=steps,
-                loras=loras_of(worker, adapters),
-            )
-
-        return await closed_loop(CONCURRENCY, rounds, request)
+        return await generate_loop(
+            client,
+            PROMPTS,
+            size,
+            steps,
+            CONCURRENCY,
+            rounds,
+            options=lambda worker: {"loras": loras_of(worker, adapters)},
+        )
 
 
 def diffusers_side(pipe: QwenImagePipeline, size: int, steps: int, adapters: int, repeats: int) -> float:

@@ -205,7 +205,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         # generator is then closed at a `yield`, which no except clause here sees).
         code = grpc.StatusCode.CANCELLED
         inbox = None
-        sent: list[str] = []  # leases of the results sent
         try:
             if request.streaming:  # first, so that Feed calls find it however early they come
                 check_request_id(request.request_id)
@@ -266,7 +265,6 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     # Nobody will ever hear of these leases: free them now, not at TTL.
                     self.transport.release(self.transport.lease_ids(output))
                     raise
-                sent.extend(self.transport.lease_ids(output))
                 self.transport.sent(rid, self.transport.lease_ids(output))
             code = grpc.StatusCode.OK
         except OmniError as err:
@@ -287,7 +285,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if code == grpc.StatusCode.CANCELLED:
                 # A result sent a moment before the caller went away may never have been read;
                 # the caller, gone, uses none of it (and releases what it did read).
-                self.transport.release(sent)
+                self.transport.release_request(rid)
             if inbox is not None:
                 self.feeds.close(rid, request.role)
             self.worker.in_flight -= 1

@@ -166,8 +166,7 @@ class StepScheduler:
         self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
         self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
         self._idle_ok = True  # the runner's idle work has not failed
-        left = getattr(runner, "idle_work_left", None)
-        self.totals.idle_work_left = left() if left is not None else 0
+        self._count_idle_work()
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)
@@ -281,9 +280,12 @@ class StepScheduler:
             log.exception("%s: idle work failed; no more of it", self.name)
             self._idle_ok = False
             return False
+        self._count_idle_work()
+        return done
+
+    def _count_idle_work(self) -> None:
         left = getattr(self.runner, "idle_work_left", None)
         self.totals.idle_work_left = left() if left is not None else 0
-        return done
 
     async def _waited_for_company(self, batch: list[Job]) -> bool:
         """Wait when `batch` has room and has not stepped yet, while other requests are being

@@ -212,7 +212,8 @@ def test_idle_work_runs_between_requests_and_never_beside_one(runners, tiny_mode
         await asyncio.sleep(0.05)
         assert runner.units < 1000  # idle again after the request: back to work
         scheduler.close()
-        assert scheduler.totals.idle_work_left == runner.units
+        # The metric follows the runner's count (one unit may still be running as it is read).
+        assert scheduler.totals.idle_work_left - runner.units in (0, 1)
         torch.testing.assert_close(second.tensors["latents"], first.tensors["latents"], atol=TOL, rtol=0)
         return first
 

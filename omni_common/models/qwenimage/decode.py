@@ -141,9 +141,7 @@ class QwenImageDecoder:
         latents = latents / latents_std + latents_mean
         decode = self.vae.decode
         if self._compiled is not None and tuple(latents.shape) in self._compiled_shapes:
-            # Laid out as at compile time: unpacked latents are a permuted view, and other
-            # strides would fail the compiled code's guards and compile again, mid-request.
-            decode, latents = self._compiled, latents.contiguous()
+            decode = self._compiled
         image = decode(latents, return_dict=False)[0][:, :, 0]
         image = self.image_processor.postprocess(image, output_type="pt")
         return [one.float() for one in image]
