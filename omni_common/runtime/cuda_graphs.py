@@ -22,47 +22,21 @@ can tell whether a replay still pays for inputs it must pad (`speedup`).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import torch
+
+from omni_common.runtime.compile_cache import KeepDecisions
 
 log = logging.getLogger("omnistage.cuda_graphs")
 
 Inputs = dict[str, torch.Tensor]
 KEEP_IF_FASTER = 0.98  # a replay must take at most this share of the eager time
-
-
-class KeepDecisions:
-    """Each key's measured speed-up (eager / replay time), remembered in a JSON file (in the
-    compile cache) across restarts: a replay's gain depends on the model, the shapes and the
-    GPU, not on the run. A known key skips the timing runs: captured at once if it paid,
-    eager at once if not. A file that cannot be read is ignored and rewritten."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self._speedups: dict[str, float] = {k: float(v) for k, v in json.loads(path.read_text()).items()}
-        except (OSError, ValueError, TypeError, AttributeError):
-            self._speedups = {}
-
-    def get(self, key: Hashable) -> float | None:
-        return self._speedups.get(repr(key))
-
-    def put(self, key: Hashable, speedup: float) -> None:
-        self._speedups[repr(key)] = speedup
-        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        try:
-            partial.write_text(json.dumps(self._speedups, indent=0, sort_keys=True))
-            partial.replace(self.path)  # atomic: replicas sharing the cache never read half a file
-        except OSError as err:
-            log.warning("cannot keep CUDA graph decisions in %s: %s", self.path, err)
 
 
 def _pays(speedup: float) -> bool:
@@ -96,10 +70,10 @@ class CudaGraphCache:
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._eager: set[Hashable] = set()  # decision keys that cannot be captured or gain nothing
         self._speedups: dict[Hashable, float] = {}  # decision keys timed in this process
-        self._pool = torch.cuda.graph_pool_handle()
         # Warm-up and capture share one side stream: libraries (cuBLAS, cuDNN) set up
         # per-stream workspaces on first use, which must not happen inside a capture.
         self._stream = torch.cuda.Stream(device)
+        self._pool = self._new_pool()
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -130,7 +104,22 @@ class CudaGraphCache:
         self._graphs.clear()
         self._eager.clear()
         self._speedups.clear()
+        self._pool = self._new_pool()  # the old pool and its anchor go: freed with the cache
         torch.cuda.empty_cache()
+
+    def _new_pool(self) -> Any:  # torch.cuda's opaque pool handle
+        """A memory pool for graphs, held by an anchor graph of one node. PyTorch counts a
+        pool's users by the graphs captured into it: once the last is gone, the next capture
+        into the pool fails an internal assertion (seen on an H200 with PyTorch 2.11: the
+        first graph timed and not kept, then every later capture failed and ran eagerly). The
+        anchor lives as long as the pool is this cache's."""
+        pool = torch.cuda.graph_pool_handle()
+        self._anchor = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            self._anchor.capture_begin(pool=pool, capture_error_mode="thread_local")
+            torch.zeros(1, device=self.device)  # one node: PyTorch warns of an empty graph
+            self._anchor.capture_end()
+        return pool
 
     def run(
         self,

@@ -213,7 +213,8 @@ def test_after_the_warm_up_real_prompt_lengths_compile_nothing_new(tiny_model: P
 
 
 def test_a_restarted_cache_follows_the_keep_decisions_of_the_first(tmp_path: Path) -> None:
-    from omni_common.runtime.cuda_graphs import KEEP_IF_FASTER, CudaGraphCache, KeepDecisions
+    from omni_common.runtime.compile_cache import KeepDecisions
+    from omni_common.runtime.cuda_graphs import KEEP_IF_FASTER, CudaGraphCache
 
     def fn(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return inputs["x"] * 2 + 1
@@ -228,6 +229,30 @@ def test_a_restarted_cache_follows_the_keep_decisions_of_the_first(tmp_path: Pat
     assert (out is not None) == kept and len(restarted) == int(kept)
     if out is not None:
         assert torch.equal(out, fn({"x": x}))
+
+
+def test_a_graph_not_kept_leaves_later_captures_working(monkeypatch) -> None:
+    """The first graph timed and dropped (its replay did not pay) must not take the memory pool
+    with it: later keys still capture (on an H200, every later capture failed an allocator
+    assertion and ran eagerly)."""
+    from omni_common.runtime import cuda_graphs
+
+    def fn(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return inputs["x"] * 2 + 1
+
+    x = torch.arange(1 << 20, dtype=torch.float32, device=DEVICE)
+    cache = cuda_graphs.CudaGraphCache(DEVICE)
+    monkeypatch.setattr(cuda_graphs, "_pays", lambda speedup: False)
+    assert torch.equal(cache.run("dropped", {"x": x}, fn), fn({"x": x}))
+    assert len(cache) == 0
+    monkeypatch.setattr(cuda_graphs, "_pays", lambda speedup: True)
+    for key in ("kept", "also kept"):
+        assert torch.equal(cache.run(key, {"x": x}, fn), fn({"x": x}))
+    assert len(cache) == 2
+    assert torch.equal(cache.run("kept", {"x": x + 1}, fn), fn({"x": x + 1}))  # a replay
+    cache.clear()
+    assert torch.equal(cache.run("after clear", {"x": x}, fn), fn({"x": x}))
+    assert len(cache) == 1
 
 
 def test_padded_rows_run_as_they_are_where_the_replay_cannot_pay_for_them(denoiser) -> None:

@@ -17,8 +17,6 @@ equals the eager one up to float rounding (tests/gpu check both).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -28,8 +26,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
-from omni_common.runtime.compile_cache import compile_cache_dir
-from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs, KeepDecisions
+from omni_common.runtime.compile_cache import decisions_for
+from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
@@ -38,20 +36,6 @@ TEXT_ALIGN = 8  # masked graphs pad prompts to a multiple of this many tokens
 ImgShapes = list[list[tuple[int, int, int]]]
 # The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
 Forward = Callable[[QwenImageTransformer2DModel, Inputs, ImgShapes], torch.Tensor]
-
-
-def keep_decisions(transformer: QwenImageTransformer2DModel, device: torch.device) -> KeepDecisions | None:
-    """Which buckets' graphs paid, in the compile cache (None without one), named by what
-    decides it: the GPU, PyTorch and the transformer's architecture."""
-    directory = compile_cache_dir()
-    if directory is None:
-        return None
-    what = json.dumps(
-        [torch.cuda.get_device_name(device), torch.__version__, dict(transformer.config)],
-        sort_keys=True,
-        default=str,
-    )
-    return KeepDecisions(directory / f"cuda-graphs-{hashlib.sha256(what.encode()).hexdigest()[:16]}.json")
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -165,9 +149,8 @@ class GraphedTransformer:
         self.device = device
         # Columns of the packed modulation rows the forward takes (modulation.py); None: none.
         self.modulation_width = modulation_width
-        self.cache = CudaGraphCache(
-            device, max_graphs=max_graphs, decisions=keep_decisions(transformer, device)
-        )
+        decisions = decisions_for("cuda-graphs", device, dict(transformer.config))
+        self.cache = CudaGraphCache(device, max_graphs=max_graphs, decisions=decisions)
         # Graphs to capture while the stage is idle: (image shape, prompt tokens, dtype).
         self._idle: deque[tuple[tuple[int, int, int], int, torch.dtype]] = deque()
 

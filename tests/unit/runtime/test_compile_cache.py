@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from omni_common.runtime import compile_cache
-from omni_common.runtime.cuda_graphs import KeepDecisions
+from omni_common.runtime.compile_cache import KeepDecisions
 
 
 def test_the_caches_go_where_the_deployment_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
