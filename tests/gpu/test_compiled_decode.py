@@ -52,3 +52,29 @@ def test_a_compiled_decode_gives_the_eager_images_and_other_shapes_stay_eager(
             # one 8-bit level.
             torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
     assert counters["stats"]["unique_graphs"] == graphs_after_load
+
+
+def test_a_restart_reuses_the_first_starts_decisions_and_times_nothing(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a compile cache, where compiling paid is remembered: a restarted stage compiles
+    the sizes that paid, leaves the others eager, and times neither."""
+    from omni_common.runtime import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_directory", tmp_path)
+    first = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32, compile_sizes=[(64, 64), (32, 32)])
+    decisions = compile_cache.decisions_for("vae-compile", DEVICE, dict(first.vae.config))
+    assert decisions is not None
+    speedups = {size: decisions.get(size) for size in ((64, 64), (32, 32))}
+    assert all(speedup is not None and speedup > 0 for speedup in speedups.values())
+    decisions.put((64, 64), 2.0)  # as if compiling paid at 64 and not at 32
+    decisions.put((32, 32), 0.5)
+    timed = []
+    real_decode_ms = decode._decode_ms
+    monkeypatch.setattr(
+        decode, "_decode_ms", lambda *a, **k: timed.append(k.get("runs", 3)) or real_decode_ms(*a, **k)
+    )
+    restarted = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32, compile_sizes=[(64, 64), (32, 32)])
+    side = 64 // restarted.vae_scale_factor
+    assert restarted._compiled_shapes == {(1, restarted.vae.config["z_dim"], 1, side, side)}
+    assert timed == [0]  # the kept size compiled (loaded) once, untimed; the other not at all

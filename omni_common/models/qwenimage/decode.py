@@ -16,6 +16,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import RoleCall, StageState
 from omni_common.models.weights import load_component
+from omni_common.runtime.compile_cache import decisions_for
 from omni_common.runtime.cuda_graphs import KEEP_IF_FASTER
 
 log = logging.getLogger("omnistage.decode")
@@ -40,27 +41,34 @@ class QwenImageDecoder:
         """Compile vae.decode for one image at each (width, height) of `sizes`, and keep it
         for the sizes where it beats the eager decode, timed here (an H200 at 1024x1024:
         52 ms against 67; at 512x512 the eager decode has been as fast). Other shapes (a
-        batch, another size) run eagerly: compiling one would stall its request for seconds."""
+        batch, another size) run eagerly: compiling one would stall its request for seconds.
+        With a compile cache, a restart reuses the first start's decisions: it compiles
+        (loads) only the sizes that paid and times nothing."""
         compiled = torch.compile(self.vae.decode, dynamic=False)
+        decisions = decisions_for("vae-compile", self.device, dict(self.vae.config))
         for width, height in sizes:
             with torch.inference_mode():  # made as requests' latents are: no recompile for them
                 latents = self._latent_zeros(width, height)
+            speedup = decisions.get((width, height)) if decisions is not None else None
             try:
-                eager_ms, compiled_ms = _decode_ms(self.vae.decode, latents), _decode_ms(compiled, latents)
+                if speedup is None:
+                    eager_ms = _decode_ms(self.vae.decode, latents)
+                    compiled_ms = _decode_ms(compiled, latents)
+                    speedup = eager_ms / compiled_ms
+                    if decisions is not None:
+                        decisions.put((width, height), speedup)
+                    timed = f"compiled {compiled_ms:.1f} ms, eager {eager_ms:.1f} ms"
+                else:
+                    timed = f"{speedup:.2f}x eager when first timed"
+                    if speedup * KEEP_IF_FASTER >= 1:
+                        _decode_ms(compiled, latents, runs=0)  # compiles (loads) it now
             except Exception as err:  # an op the compiler cannot take: the VAE stays eager
                 log.warning("vae-decode: cannot compile the decode at %dx%d (%s); eager", width, height, err)
                 continue
-            kept = compiled_ms < eager_ms * KEEP_IF_FASTER
+            kept = speedup * KEEP_IF_FASTER >= 1
             if kept:
                 self._compiled_shapes.add(tuple(latents.shape))
-            log.info(
-                "vae-decode at %dx%d: compiled %.1f ms, eager %.1f ms: %s",
-                width,
-                height,
-                compiled_ms,
-                eager_ms,
-                "compiled" if kept else "eager",
-            )
+            log.info("vae-decode at %dx%d: %s: %s", width, height, timed, "compiled" if kept else "eager")
         self._compiled = compiled
 
     def _latent_zeros(self, width: int, height: int) -> torch.Tensor:
