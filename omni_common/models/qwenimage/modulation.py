@@ -75,10 +75,13 @@ def _linear(layer: torch.nn.Module) -> torch.nn.Linear:
     return linear
 
 
-def _swap(module: torch.nn.Module, base: type, packed: type) -> None:
+def swap_class(module: torch.nn.Module, base: type, packed: type) -> None:
+    """Give `module` the subclass `packed` of its class `base` (idempotent): its weights, name
+    and hooks stay."""
     if not isinstance(module, packed):
         if type(module) is not base:
-            raise ValueError(f"packed modulation expects a {base.__name__}, found {type(module).__name__}")
+            found = type(module).__name__
+            raise ValueError(f"expected a {base.__name__} to make a {packed.__name__}, found {found}")
         module.__class__ = packed
 
 
@@ -92,11 +95,11 @@ def pack_modulation(transformer: QwenImageTransformer2DModel) -> None:
     """Let `transformer` take packed modulation rows (ModulationCache.table) as its timestep."""
     if transformer.config.get("zero_cond_t") or transformer.config.get("guidance_embeds"):
         raise ValueError("packed modulation covers Qwen-Image without zero_cond_t or guidance")
-    _swap(transformer.time_text_embed, QwenTimestepProjEmbeddings, _PackedTimestepEmbedding)
-    _swap(transformer.norm_out, AdaLayerNormContinuous, _PackedNormOut)
+    swap_class(transformer.time_text_embed, QwenTimestepProjEmbeddings, _PackedTimestepEmbedding)
+    swap_class(transformer.norm_out, AdaLayerNormContinuous, _PackedNormOut)
     device = next(transformer.parameters()).device
     for row, layer in enumerate(modulation_layers(transformer)):
-        _swap(layer, torch.nn.Sequential, _PackedModulation)
+        swap_class(layer, torch.nn.Sequential, _PackedModulation)
         layer.register_buffer("packed_row", torch.tensor([row], device=device), persistent=False)
 
 
