@@ -36,22 +36,14 @@ def rotate_real(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
     Written as x * cos + swap(x) * sin, swap(real, imag) = (-imag, real): each output reads
     its own element and its pair's, which inductor fuses into the query and key RMSNorm before
-    it as index arithmetic. (Stacking the two products instead made that kernel loop its
-    reduction: 3-5x slower than its bytes, benchmarks/dit_profile.py.)"""
+    it as index arithmetic. Stacking the two products instead made that fused kernel slower:
+    47 against 38 us a call at 1024x1024, 108 against 79 us for 8 at 512x512 (an H200,
+    docs/benchmarks.md)."""
     freqs = torch.view_as_real(freqs_cis).unsqueeze(1)  # [S, 1, D/2, 2]: (cos, sin)
     cos, sin = freqs[..., :1], freqs[..., 1:]
     pairs = x.float().unflatten(-1, (-1, 2))
     sign = torch.tensor((-1.0, 1.0), device=x.device)
     rotated = pairs * cos + pairs.flip(-1) * sign * sin
-    return rotated.flatten(3).type_as(x)
-
-
-def rotate_real_stacked(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    freqs = torch.view_as_real(freqs_cis).unsqueeze(1)  # [S, 1, D/2, 2]
-    cos, sin = freqs[..., 0], freqs[..., 1]
-    pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(3).type_as(x)
 
 
