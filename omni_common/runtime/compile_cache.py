@@ -70,7 +70,7 @@ class KeepDecisions:
             partial.write_text(json.dumps(self._speedups, indent=0, sort_keys=True))
             partial.replace(self.path)  # atomic: replicas sharing the cache never read half a file
         except OSError as err:
-            log.warning("cannot keep CUDA graph decisions in %s: %s", self.path, err)
+            log.warning("cannot keep decisions in %s: %s", self.path, err)
 
 
 def decisions_for(kind: str, device: torch.device, model_config: dict[str, Any]) -> KeepDecisions | None:

@@ -137,8 +137,8 @@ class QwenImageDenoiser(LatentSteps):
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
         if options.compile and options.devices == 1:
-            # The two rewrites of the forward that compiling pays for (same math, other
-            # rounding: the CPU's eager path stays diffusers' bit for bit).
+            # The rewrites of the forward that compiling pays for (same math, other rounding:
+            # the CPU's eager path stays diffusers' bit for bit).
             use_real_rotary()  # complex products would stay eager kernels inside compiled blocks
             fuse_gelu_epilogue(self.transformer)  # the feed-forward's GELU in its GEMM's epilogue
             self.modulation = ModulationCache(self.transformer)

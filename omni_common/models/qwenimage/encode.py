@@ -68,10 +68,10 @@ class QwenImageEncoder:
         return [h[m][drop:] for h, m in zip(hidden, mask, strict=True)]
 
     def _attention(self) -> contextlib.AbstractContextManager[None]:
-        """The attention kernels a prompt's forward may take. On a GPU not cuDNN's, PyTorch's
-        first choice on an H200: it builds a plan per new sequence length, ~2.5 ms a layer
-        the first time (a prompt of a new length took 60-110 ms to encode, one of a seen length
-        18-25 ms); prompts are short, so flash and memory-efficient attention cost nothing."""
+        """The attention kernels a prompt's forward may take. On a GPU, not cuDNN's (PyTorch's
+        first choice on an H200), which builds a plan per new sequence length, ~2.5 ms a layer
+        the first time: a prompt of a new length took 60-110 ms to encode, one of a seen length
+        15-26 ms. Prompts are short, so flash and memory-efficient attention cost nothing."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
