@@ -33,7 +33,7 @@ def test_a_transformer_with_the_epilogue_gelu_computes_as_diffusers_on_the_cpu(t
     assert torch.equal(traced(x), GELU.forward(layers[0], x))
 
 
-def test_only_a_tanh_gelu_layer_is_swapped() -> None:
+def test_only_a_gelu_layer_takes_the_epilogue_class() -> None:
     module = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="expected a GELU"):
         swap_class(module, GELU, EpilogueGELU)

@@ -3,6 +3,8 @@ decoder input checks."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -18,6 +20,22 @@ def test_single_prompt_has_no_mask(split_runners) -> None:
     tensors = encoder.encode([request])[0].tensors
     assert set(tensors) == {"prompt_embeds", "negative_prompt_embeds"}
     assert tensors["prompt_embeds"].shape[0] == 1 and tensors["prompt_embeds"].shape[2] == 16
+
+
+def test_a_gpu_encoder_keeps_cudnn_attention_out_and_the_cpu_keeps_its_own(split_runners) -> None:
+    """cuDNN's attention builds a plan per new prompt length (60-110 ms an encode on an H200):
+    on a GPU the prompt forward runs with flash or memory-efficient attention; the CPU's
+    choice, and so its parity with diffusers, is untouched."""
+    encoder, _, _ = split_runners(torch.float32)
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled())
+    with encoder._attention():
+        assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+    gpu = copy.copy(encoder)
+    gpu.device = torch.device("cuda", 0)  # only the flags are read: no GPU is needed
+    with gpu._attention():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
 
 
 def test_texts_of_different_lengths_get_a_mask_like_diffusers(split_runners, reference_pipeline) -> None:
