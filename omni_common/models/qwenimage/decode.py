@@ -52,8 +52,8 @@ class QwenImageDecoder:
             speedup = decisions.get((width, height)) if decisions is not None else None
             try:
                 if speedup is None:
-                    eager_ms = _decode_ms(self.vae.decode, latents)
-                    compiled_ms = _decode_ms(compiled, latents)
+                    best = _decode_ms({"eager": self.vae.decode, "compiled": compiled}, latents)
+                    eager_ms, compiled_ms = best["eager"], best["compiled"]
                     speedup = eager_ms / compiled_ms
                     if decisions is not None:
                         decisions.put((width, height), speedup)
@@ -61,7 +61,7 @@ class QwenImageDecoder:
                 else:
                     timed = f"{speedup:.2f}x eager when first timed"
                     if speedup * KEEP_IF_FASTER >= 1:
-                        _decode_ms(compiled, latents, runs=0)  # compiles (loads) it now
+                        _decode_ms({"compiled": compiled}, latents, runs=0)  # compiles (loads) it now
             except Exception as err:  # an op the compiler cannot take: the VAE stays eager
                 log.warning("vae-decode: cannot compile the decode at %dx%d (%s); eager", width, height, err)
                 continue
@@ -156,16 +156,22 @@ class QwenImageDecoder:
 
 
 @torch.inference_mode()
-def _decode_ms(decode: Callable[..., Any], latents: torch.Tensor, runs: int = 3) -> float:
-    """The fastest of `runs` decodes of `latents`, in ms, after two untimed ones (compiling)."""
+def _decode_ms(
+    decodes: dict[str, Callable[..., Any]], latents: torch.Tensor, runs: int = 5
+) -> dict[str, float]:
+    """The fastest of `runs` decodes of `latents` by each of `decodes`, in ms, after two
+    untimed ones (compiling). Their runs take turns, so that whatever else shares the device
+    (another stage's warm-up at a cold start) slows each alike."""
     synced = torch.cuda.synchronize if latents.is_cuda else (lambda: None)
-    for _ in range(2):
-        decode(latents, return_dict=False)
-    best = float("inf")
+    for decode in decodes.values():
+        for _ in range(2):
+            decode(latents, return_dict=False)
+    best = dict.fromkeys(decodes, float("inf"))
     for _ in range(runs):
-        synced()
-        started = time.perf_counter()
-        decode(latents, return_dict=False)
-        synced()
-        best = min(best, (time.perf_counter() - started) * 1e3)
+        for name, decode in decodes.items():
+            synced()
+            started = time.perf_counter()
+            decode(latents, return_dict=False)
+            synced()
+            best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
     return best
