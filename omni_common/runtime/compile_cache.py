@@ -24,6 +24,7 @@ import torch
 
 log = logging.getLogger("omnistage.compile_cache")
 _directory: Path | None = None  # this process's compile cache, once use_compile_cache ran
+_warm = False  # it held files when this process started using it
 
 
 def compile_cache_dir() -> Path | None:
@@ -31,10 +32,16 @@ def compile_cache_dir() -> Path | None:
     return _directory
 
 
+def compile_cache_is_warm() -> bool:
+    """Whether this process's compile cache held files when the process began using it: a
+    restart's compiles then mostly load (a warm start)."""
+    return _warm
+
+
 def use_compile_cache(directory: Path) -> None:
     """Point PyTorch's compile caches at `directory` (created, owner-only); call it before
     the first compilation of the process."""
-    global _directory
+    global _directory, _warm
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     _directory = directory
     inductor, triton = directory / "inductor", directory / "triton"
@@ -44,6 +51,7 @@ def use_compile_cache(directory: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     entries = sum(1 for path in directory.rglob("*") if path.is_file())
+    _warm = entries > 0
     log.info("compile cache %s: %s", directory, f"{entries} files (warm)" if entries else "empty (cold)")
 
 

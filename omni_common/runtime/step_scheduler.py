@@ -167,6 +167,18 @@ class StepScheduler:
         self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
         self._idle_ok = True  # the runner's idle work has not failed
         self._count_idle_work()
+        if self.totals.idle_work_left:
+            self._start_idle_work()
+
+    def _start_idle_work(self) -> None:
+        """Start the loop for the idle work a runner has from the start (a warm start's
+        deferred warm-up), not at the first request; made outside an event loop, the loop
+        starts with the first request as usual."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._ensure_loop()
 
     def queued_steps(self) -> int:
         return sum(job.state.total_steps - job.state.step_index for job in self.jobs)

@@ -33,6 +33,7 @@ class DenoiseWorker(Worker):
             lora_bytes=config.lora_bytes,
             lora_dir=config.lora_dir,
             lora_batching=config.lora_batching,
+            defer_warm_up=True,  # this replica's StepScheduler runs the idle work
         )
 
     def _flag(self, name: str, value: str) -> bool:

@@ -289,3 +289,31 @@ def test_graphs_of_common_prompt_lengths_are_captured_while_idle(tiny_model: Pat
     assert len(denoiser.graphed.cache) == captured
     denoiser.forget_cuda_graphs()  # a sleep: nothing more is captured while idle
     assert not denoiser.idle_work() and denoiser.idle_work_left() == 0
+
+
+def test_a_warm_start_serves_one_request_first_and_loads_the_rest_while_idle(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a warm compile cache the stage serves once one request at the first size runs
+    compiled (warmup.py); its idle work loads the rest of the warm-up before it captures
+    graphs of common prompt lengths."""
+    from omni_common.models.qwenimage import denoise
+
+    monkeypatch.setattr(denoise, "compile_cache_is_warm", lambda: True)
+    options = DenoiserOptions(
+        compile=True, cuda_graphs=True, capture_sizes=((64, 64), (32, 32)), max_batch=2, defer_warm_up=True
+    )
+    deferred = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
+    assert deferred.warm_up is not None
+    left = deferred.warm_up.left
+    assert 0 < left < deferred.warm_up.total
+    captures = deferred.graphed.idle_captures_left
+    assert deferred.idle_work_left() == left + captures
+    args = forward_inputs(deferred, 1, 0)  # served before the rest has loaded
+    torch.testing.assert_close(graphed(deferred, *args), eager(deferred, *args), atol=ATOL, rtol=0)
+    for _ in range(left):
+        assert deferred.idle_work()
+    assert deferred.warm_up.left == 0 and deferred.graphed.idle_captures_left == captures
+    monkeypatch.setattr(denoise, "compile_cache_is_warm", lambda: False)
+    cold = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
+    assert cold.warm_up is not None and cold.warm_up.left == 0  # a cold start compiles it all first

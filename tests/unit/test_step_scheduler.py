@@ -221,6 +221,23 @@ def test_idle_work_runs_between_requests_and_never_beside_one(runners, tiny_mode
     assert runner.done_while_busy == 0
 
 
+def test_idle_work_the_runner_has_from_the_start_begins_before_any_request(tiny_model: Path) -> None:
+    """A warm start's deferred warm-up loads while the stage waits for its first request."""
+    runner = IdleCounting.load(tiny_model, CPU, torch.float32)
+    runner.units = 3
+
+    async def main(compute: Compute) -> int:
+        scheduler = StepScheduler(runner, compute)
+        for _ in range(100):
+            if runner.units == 0:
+                break
+            await asyncio.sleep(0.01)
+        scheduler.close()
+        return scheduler.totals.idle_work_left
+
+    assert run_async(main) == 0 and runner.units == 0
+
+
 def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     calls = [
         call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),

@@ -44,8 +44,9 @@ from omni_common.models.qwenimage.step_cache import (
     log_reuse,
     step_cache_threshold,
 )
-from omni_common.models.qwenimage.warmup import IDLE_CAPTURE_TOKENS, warm_up
+from omni_common.models.qwenimage.warmup import IDLE_CAPTURE_TOKENS, WarmUp, warm_up
 from omni_common.models.weights import load_component
+from omni_common.runtime.compile_cache import compile_cache_is_warm
 from omni_common.runtime.cuda_graphs import Inputs
 
 DEFAULT_VAE_SCALE_FACTOR = 8
@@ -101,6 +102,7 @@ class QwenImageDenoiser(LatentSteps):
         self.graphed: GraphedTransformer | None = None
         self.compiled = False
         self.modulation: ModulationCache | None = None
+        self.warm_up: WarmUp | None = None  # what configure() compiled ahead, and what is left
         # Every linear layer of the DiT takes adapters (what diffusers' Qwen-Image LoRA files
         # name); configure() sets their memory bound, directory and batching.
         self.loras = LoraLayers(transformer, read_qwenimage_lora, device=device, dtype=dtype)
@@ -162,7 +164,7 @@ class QwenImageDenoiser(LatentSteps):
             )
         if options.compile or options.cuda_graphs:
             config = self.transformer.config
-            warm_up(
+            self.warm_up = warm_up(
                 lambda inputs, img_shapes: transformer_forward(
                     self.transformer, self._with_modulation(inputs), img_shapes
                 ),
@@ -173,6 +175,7 @@ class QwenImageDenoiser(LatentSteps):
                 config["joint_attention_dim"],
                 self.dtype,
                 self.device,
+                defer=options.defer_warm_up and options.compile and compile_cache_is_warm(),
             )
         if self.graphed is not None:
             sizes = [self.img_shape(width, height) for width, height in options.capture_sizes]
@@ -499,18 +502,22 @@ class QwenImageDenoiser(LatentSteps):
         return latent_preview(latents[0, :, 0])
 
     def idle_work(self) -> bool:
-        """While no request is here: capture one more graph of a common prompt length
-        (GraphedTransformer.capture_idle); False when there is nothing left to do (or the
-        weights are not on the device: asleep)."""
-        if self.graphed is None or self.loras.active:
+        """While no request is here: load the next forward of a deferred warm-up (a warm
+        start's), else capture one more graph of a common prompt length
+        (GraphedTransformer.capture_idle); False when there is nothing left to do (or it
+        cannot be done now: adapters active, or the weights asleep off the device)."""
+        if self.loras.active or next(self.transformer.parameters()).device != self.device:
             return False
-        if next(self.transformer.parameters()).device != self.device:
+        if self.warm_up is not None and self.warm_up.run_next():
+            return True
+        if self.graphed is None:
             return False
         with torch.inference_mode():
             return self.graphed.capture_idle()
 
     def idle_work_left(self) -> int:
-        return 0 if self.graphed is None else self.graphed.idle_captures_left
+        warm_up_left = 0 if self.warm_up is None else self.warm_up.left
+        return warm_up_left + (0 if self.graphed is None else self.graphed.idle_captures_left)
 
     def forget_cuda_graphs(self) -> None:
         if self.graphed is not None:

@@ -192,11 +192,17 @@ class GraphedTransformer:
         the first request: `masked`, prompts padded to `text` tokens; otherwise prompts of
         exactly `text` tokens. Nothing to do when that is known already (the compile cache
         remembers it): a warm start captures no graph of made-up lengths."""
+        if self.needs_timing(rows, img_shape, text, dtype, masked=masked):
+            self._capture(rows, img_shape, text, dtype, masked=masked)
+
+    def needs_timing(
+        self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype, *, masked: bool
+    ) -> bool:
+        """Whether time_bucket has work to do: the bucket's gain is not known yet."""
         key = graph_key(rows, img_shape, text, masked, dtype, self.modulation_width is not None)
         if key is None:
             raise ValueError(f"no graph bucket holds {rows} rows of {text} prompt tokens")
-        if not self.cache.decided(key.decision):
-            self._capture(rows, img_shape, text, dtype, masked=masked)
+        return not self.cache.decided(key.decision)
 
     def plan_idle_captures(
         self, img_shapes: list[tuple[int, int, int]], lengths: range, dtype: torch.dtype

@@ -25,6 +25,7 @@ from omni_common.models.qwenimage.graphs import (
     graph_key,
     padded_inputs,
 )
+from omni_common.models.qwenimage.warmup import WarmUp, warm_up
 from omni_common.runtime.config import parse_sizes
 
 from .conftest import CPU
@@ -148,21 +149,44 @@ def test_capture_sizes_parse_as_width_by_height() -> None:
         parse_sizes("512")
 
 
-def test_the_warm_up_runs_every_shape_and_says_how_far_it_is(tiny_model: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    from omni_common.models.qwenimage.warmup import warm_up
+Shapes = list[tuple[int, int, int]]  # a forward's rows, prompt tokens and image tokens
 
+
+def warm_up_recorded(tiny_model: Path, sizes: list[int], defer: bool) -> tuple[WarmUp, Shapes]:
+    """The tiny denoiser's warm-up (CPU: no graphs) for square `sizes`, up to 2 requests, and
+    the Shapes of its forwards as they run (the list grows with later steps)."""
     denoiser = QwenImageDenoiser.load(tiny_model, torch.device("cpu"), torch.float32)
     config = denoiser.transformer.config
-    shapes: list[tuple[int, tuple[int, ...]]] = []
+    shapes: Shapes = []
 
     def forward(inputs, img_shapes):  # type: ignore[no-untyped-def]
-        shapes.append((len(img_shapes), tuple(inputs["embeds"].shape[:2])))
+        rows, tokens = inputs["embeds"].shape[:2]
+        shapes.append((rows, tokens, inputs["latents"].shape[1]))
         return transformer_forward(denoiser.transformer, inputs, img_shapes)
 
+    warm = warm_up(
+        forward, None, [denoiser.img_shape(size, size) for size in sizes], 2, config["in_channels"],
+        config["joint_attention_dim"], torch.float32, torch.device("cpu"), defer=defer,
+    )  # fmt: skip
+    return warm, shapes
+
+
+def test_the_warm_up_runs_every_shape_and_says_how_far_it_is(tiny_model: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     with caplog.at_level("INFO", logger="omnistage.warmup"):
-        warm_up(
-            forward, None, [denoiser.img_shape(64, 64)], 2, config["in_channels"],
-            config["joint_attention_dim"], torch.float32, torch.device("cpu"),
-        )  # fmt: skip
-    assert shapes == [(1, (1, 17)), (1, (1, 23)), (1, (1, 23)), (2, (2, 17)), (2, (2, 23)), (2, (2, 23))]
-    assert "warm-up 2/2: batch 2" in caplog.text
+        warm, shapes = warm_up_recorded(tiny_model, [64], defer=False)
+    assert shapes == [(1, 17, 64), (1, 23, 64), (1, 23, 64), (2, 17, 64), (2, 23, 64), (2, 23, 64)]
+    assert warm.left == 0 and not warm.run_next()
+    assert "warm-up 6/6: batch 2 at 8x8 patches, prompts of different lengths (masked)" in caplog.text
+
+
+def test_a_deferred_warm_up_runs_one_request_at_each_size_then_the_rest_in_order(tiny_model: Path) -> None:
+    """A warm start serves once one request at each size runs compiled; the other steps run
+    one per idle call, in the order a full warm-up runs them (the compiler generalises shapes
+    in that order: the same graphs load from the cache)."""
+    _, everything = warm_up_recorded(tiny_model, [64, 32], defer=False)
+    warm, shapes = warm_up_recorded(tiny_model, [64, 32], defer=True)
+    assert shapes == [(1, 17, 64), (1, 23, 64), (1, 17, 16), (1, 23, 16)]  # unmasked, each size
+    assert warm.left == len(everything) - 4
+    while warm.run_next():
+        pass
+    assert shapes == everything and warm.left == 0

@@ -17,12 +17,18 @@ def test_the_caches_go_where_the_deployment_says(tmp_path: Path, monkeypatch: py
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(compile_cache, "_directory", None)
+    monkeypatch.setattr(compile_cache, "_warm", False)
     directory = tmp_path / "compile"
     compile_cache.use_compile_cache(directory)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(directory / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(directory / "triton")
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert compile_cache.compile_cache_dir() == directory
+    assert not compile_cache.compile_cache_is_warm()  # empty: a cold start
+    (directory / "inductor").mkdir()
+    (directory / "inductor" / "entry").write_bytes(b"compiled")
+    compile_cache.use_compile_cache(directory)  # a restart on the same volume
+    assert compile_cache.compile_cache_is_warm()
 
 
 def test_keep_decisions_outlive_the_process_that_timed_them(tmp_path: Path) -> None:
