@@ -140,8 +140,8 @@ class DenoiserOptions:
     # Devices one forward is spread over (a replica with --devices); above 1 rules out what
     # cannot split (step caching, which runs the blocks outside the DiT's forward).
     devices: int = 1
-    # At a warm start (a warm compile cache), serve once one request at the first capture size
-    # runs compiled, and load the rest of the warm-up while idle (warmup.py): only where a
+    # At a warm start (a warm compile cache), serve once one request at each capture size runs
+    # compiled, and load the rest of the warm-up while idle (warmup.py): only where a
     # scheduler calls the runner's idle_work (a one-device replica).
     defer_warm_up: bool = False
 

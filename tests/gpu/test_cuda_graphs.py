@@ -294,7 +294,7 @@ def test_graphs_of_common_prompt_lengths_are_captured_while_idle(tiny_model: Pat
 def test_a_warm_start_serves_one_request_first_and_loads_the_rest_while_idle(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a warm compile cache the stage serves once one request at the first size runs
+    """With a warm compile cache the stage serves once one request at each size runs
     compiled (warmup.py); its idle work loads the rest of the warm-up before it captures
     graphs of common prompt lengths."""
     from omni_common.models.qwenimage import denoise
