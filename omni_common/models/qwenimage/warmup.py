@@ -14,9 +14,9 @@ For each size the stage is told it will serve (--capture-sizes) and each batch b
   use, timed no more. With the compile cache, the timings of a previous start are known and
   nothing is captured here: a graph of made-up lengths would serve few requests.
 One request at each size comes first, then the rest size by size, each shape's real forwards
-before its graphs. The order matters: the compiler generalises a shape as it sees it change,
-so the graphs it makes depend on the order of the forwards, and a warm start (which times no
-graph) must meet them in the order the cold start compiled them to load them all from the cache.
+before its graphs. The order matters: the compiler makes a dimension dynamic once it sees it
+change, so what it compiles depends on the order of the forwards, and a warm start (which times
+no graph) must run them in the cold start's order to load all of it from the cache.
 
 With a warm compile cache (--compile-cache) each of these loads instead of compiling, and a
 stage whose scheduler runs idle work (one device) serves once one request at each size runs
