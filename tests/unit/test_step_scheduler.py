@@ -228,8 +228,9 @@ def test_idle_work_the_runner_has_from_the_start_begins_before_any_request(tiny_
 
     async def main(compute: Compute) -> int:
         scheduler = StepScheduler(runner, compute)
-        for _ in range(100):
-            if runner.units == 0:
+        assert scheduler.totals.idle_work_left == 3
+        for _ in range(300):  # the metric is counted once each unit has returned
+            if scheduler.totals.idle_work_left == 0:
                 break
             await asyncio.sleep(0.01)
         scheduler.close()
