@@ -133,20 +133,24 @@ def test_cancel_while_decoding(busy_cluster: InProcessCluster) -> None:
 
 
 def test_cancel_while_queued_behind_another_request(busy_cluster: InProcessCluster) -> None:
-    blocker_done = threading.Event()
+    blocker_outcome: list[Exception] = []
 
     def blocker() -> None:
         with Client(busy_cluster.coordinator) as client:
-            client.generate("blocker", request_id="blocker", **{**SMALL, "steps": 60})
-        blocker_done.set()
+            try:  # the most steps a request may take: cancelled below, still running
+                client.generate("blocker", request_id="blocker", **{**SMALL, "steps": 1000})
+            except OmniError as err:
+                blocker_outcome.append(err)
 
     thread = threading.Thread(target=blocker)
     thread.start()
     time.sleep(0.5)  # the blocker holds the DiT (max_batch 1); the next one queues behind it
     kinds = _cancel_when(busy_cluster, "cancel-queued", "started:dit-denoise")
     assert "step" not in kinds, "a queued request must not have run a step"
+    with Client(busy_cluster.coordinator) as client:
+        assert client.cancel("blocker")  # it held the DiT all along
     thread.join(60)
-    assert blocker_done.is_set()
+    assert len(blocker_outcome) == 1 and isinstance(blocker_outcome[0], Cancelled), blocker_outcome
     wait_until_no_leases(busy_cluster)
 
 
