@@ -93,3 +93,27 @@ def test_decoder_rejects_latents_of_the_wrong_size(split_runners) -> None:
         decoder.decode([state])
     with pytest.raises(InvalidArgument):
         decoder.decode([StageState(tensors={"latents": torch.zeros(1, 64, 16)})])
+
+
+def test_the_decode_timings_take_turns_and_keep_each_ones_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vae-decode's compile decision times eager and compiled in turns, so that another stage
+    busy on the device slows both alike (a cold start's), and keeps each one's fastest run."""
+    from omni_common.models.qwenimage import decode
+
+    calls: list[str] = []
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: next(clock))
+
+    def recorder(name: str):  # type: ignore[no-untyped-def]
+        def run(latents: torch.Tensor, return_dict: bool) -> None:
+            calls.append(name)
+            if name == "compiled":
+                next(clock)  # each compiled run takes one tick longer on this fake clock
+
+        return run
+
+    best = decode._decode_ms(
+        {"eager": recorder("eager"), "compiled": recorder("compiled")}, torch.zeros(1), runs=3
+    )
+    assert calls == ["eager"] * 2 + ["compiled"] * 2 + ["eager", "compiled"] * 3  # warm-ups, then turns
+    assert best == {"eager": 1000.0, "compiled": 2000.0}  # ms: 1 and 2 ticks
