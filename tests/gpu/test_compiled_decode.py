@@ -1,6 +1,7 @@
 """The Qwen-Image VAE decode compiled (the vae-decode stage's `--compile` on a GPU) on the tiny
-fixture: where it is kept its images equal the eager decoder's up to float rounding, and any
-other shape (a batch, another size) runs eagerly, compiling nothing mid-request."""
+fixture: where it is kept its images equal the eager decoder's up to float rounding, a batch
+of that size decodes image by image through it (each image what it is alone), and another
+size runs eagerly, compiling nothing mid-request."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def test_a_compiled_decode_gives_the_eager_images_and_other_shapes_stay_eager(
             # Compiled convolutions take other kernels: ~4e-4 on images in [0, 1], a tenth of
             # one 8-bit level.
             torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+    batch = states(eager, 64, 3)
+    alone = [compiled.decode([state])[0] for state in batch]
+    for got, want in zip(compiled.decode(batch), alone, strict=True):
+        assert torch.equal(got, want)  # not what it was batched with
     assert counters["stats"]["unique_graphs"] == graphs_after_load
 
 
