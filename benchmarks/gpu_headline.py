@@ -18,7 +18,7 @@ Both sides do not fit on one GPU at once, so they run one after the other in thi
    VAE decode eager, channels-last and compiled.
 Prints one JSON line per measurement, then the ratios against the targets (issue 14).
 `--diffusers-options cluster` compiles diffusers with the inductor options of the cluster's DiT
-(denoise.INDUCTOR_OPTIONS), which its user could set as well; `--only-diffusers` times that
+(denoise.compile_blocks), which its user could set as well; `--only-diffusers` times that
 side alone.
 """
 
@@ -46,7 +46,7 @@ import torch
 
 from omni_common.client import Client, GenerationResult
 from omni_common.cluster import LocalCluster, free_port, loopback_plan
-from omni_common.models.qwenimage.denoise import INDUCTOR_OPTIONS
+from omni_common.models.qwenimage.denoise import compile_blocks
 
 PROMPT = "a watercolor lighthouse at dusk"
 
@@ -327,8 +327,10 @@ def run_diffusers(args: argparse.Namespace) -> Side:
     if args.diffusers_compile:
         # The issue's competitor: regional compile with inductor's defaults. --diffusers-options
         # gives it the inductor options the cluster's DiT compiles with, which a user could set.
-        options = INDUCTOR_OPTIONS if args.diffusers_options == "cluster" else None
-        pipe.transformer.compile_repeated_blocks(fullgraph=True, options=options)
+        if args.diffusers_options == "cluster":
+            compile_blocks(pipe.transformer)
+        else:
+            pipe.transformer.compile_repeated_blocks(fullgraph=True)
         # Prompts of other lengths, with and without a mask, at two sizes and two batch sizes
         # are more variants than Dynamo's default limit of 8; a user who serves them raises it
         # (otherwise fullgraph=True fails hard on the ninth).

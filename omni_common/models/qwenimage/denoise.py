@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +55,22 @@ DEFAULT_VAE_SCALE_FACTOR = 8
 
 # Inductor's options for the compiled blocks. multi_kernel: each reduction is generated both
 # persistent and looped, and the faster one, timed at its first run (the warm-up's, never a
-# graph capture's), is kept; the pick is remembered in the compile cache. Its defaults loop
-# the blocks' LayerNorm over 3072 channels and the q/k RMSNorm twice over their inputs: with
-# the pick, 6 real-width blocks on an H200 spent 2.82 ms in memory-bound kernels for 8
-# requests at 512x512 against 3.57 ms (1.26 against 1.44 at 1024x1024, 0.38 against 0.47 at
-# 512x512), and compiled as fast (docs/benchmarks.md). Coordinate-descent tuning saved about as
-# much and tripled the compile time.
+# graph capture's), is kept. Inductor's own choice loops twice over the inputs of the blocks'
+# LayerNorm over 3072 channels and of the q/k RMSNorm: with the pick, 6 real-width blocks on an
+# H200 spent 2.82 ms in memory-bound kernels for 8 requests at 512x512 against 3.57 ms (1.26
+# against 1.44 at 1024x1024, 0.38 against 0.47 at 512x512), and compiled as fast
+# (docs/benchmarks.md). Coordinate-descent tuning saved about as much and tripled the compile
+# time.
 INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
+
+
+def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:
+    """torch.compile each of the transformer's blocks, with INDUCTOR_OPTIONS."""
+    # Each process times its multi-kernel picks once, at their first run: PyTorch 2.11's file
+    # cache of them keys a kernel by a Triton attribute that kernels loaded from the compile
+    # cache lack (a warm start failed on an H200).
+    os.environ.setdefault("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")
+    transformer.compile_repeated_blocks(fullgraph=True, options=INDUCTOR_OPTIONS)
 
 
 def vae_scale_factor_for(model_dir: Path) -> int:
@@ -162,7 +172,7 @@ class QwenImageDenoiser(LatentSteps):
             # Automatic dynamic shapes, not dynamic=True: the 9 variants this compiles for two
             # sizes each load from a warm cache in 1-3 s, where dynamic=True's 4 took ~8 s each
             # (an H200, PyTorch 2.11), with the same kernel times.
-            self.transformer.compile_repeated_blocks(fullgraph=True, options=INDUCTOR_OPTIONS)
+            compile_blocks(self.transformer)
             self.compiled = True
         if options.cuda_graphs:
             if self.device.type != "cuda":
