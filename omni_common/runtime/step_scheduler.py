@@ -188,10 +188,13 @@ class StepScheduler:
 
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Admit one request and stream its progress, then its result."""
-        if len(self.jobs) >= self.max_queue:
+        # Requests still being prepared count: a burst must not pass the bound while the first
+        # ones of it are admitted.
+        held = len(self.jobs) + self._admitting
+        if held >= self.max_queue:
             wait_ms = max(1, round(self.queued_steps() / self.max_batch * self.step_ms))
             raise ResourceExhausted(
-                f"{self.name} is at capacity ({len(self.jobs)} requests); retry in about {wait_ms} ms",
+                f"{self.name} is at capacity ({held} requests); retry in about {wait_ms} ms",
                 retry_after_ms=wait_ms,
             )
         self._admitting += 1

@@ -12,6 +12,7 @@ computes, which changes nothing about the order of events).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -364,6 +365,37 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(runners) -> None: 
 
     err = run_async(main)
     assert "dit-denoise is at capacity" in err.message and err.retry_after_ms is not None
+
+
+def test_a_request_being_prepared_counts_toward_a_full_queue(runners) -> None:  # type: ignore[no-untyped-def]
+    """A burst arrives faster than its requests are prepared: the bound holds all the same."""
+    c = call(runners, "prepared slowly", num_inference_steps=4)
+    preparing, release = threading.Event(), threading.Event()
+
+    class SlowPrepare:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(runners[1], name)
+
+        def prepare(self, request: GenerationRequest, inputs: StageState) -> Any:
+            preparing.set()
+            release.wait(30)
+            return runners[1].prepare(request, inputs)
+
+    async def main(compute: Compute) -> ResourceExhausted:
+        scheduler = StepScheduler(SlowPrepare(), compute, max_queue=1)  # type: ignore[arg-type]
+        first = asyncio.create_task(result_of(scheduler.run(c)))
+        while not preparing.is_set():
+            await asyncio.sleep(0.001)
+        assert not scheduler.jobs  # still being prepared
+        with pytest.raises(ResourceExhausted) as caught:
+            await result_of(scheduler.run(c))
+        release.set()
+        await first
+        scheduler.close()
+        return caught.value
+
+    err = run_async(main)
+    assert "at capacity (1 requests)" in err.message
 
 
 def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners, overlap) -> None:  # type: ignore[no-untyped-def]
