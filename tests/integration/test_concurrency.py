@@ -165,7 +165,7 @@ def test_full_dit_queue_is_resource_exhausted_with_retry_hint(busy_cluster: InPr
         prompt="q",
         width=64,
         height=64,
-        num_inference_steps=200,
+        num_inference_steps=1000,  # the most there is; 200 at ~1.5 ms a step ended mid-test
         true_cfg_scale=1.0,
         max_sequence_length=512,
     )
@@ -175,12 +175,21 @@ def test_full_dit_queue_is_resource_exhausted_with_retry_hint(busy_cluster: InPr
 
         async with aio_channel(denoiser) as channel:
             stub = stage_pb2_grpc.StageStub(channel)
+            # The previous test's cancelled request may still be leaving the DiT's queue (it
+            # goes at a step boundary): the fills start from an empty stage.
+            for _ in range(500):
+                if (await stub.Info(stage_pb2.StageInfoRequest())).load == 0:
+                    break
+                await asyncio.sleep(0.02)
             calls = [
                 stub.Run(stage_pb2.StageRequest(request_id=f"fill-{i}", params=params, input=embeds))
                 for i in range(3)
             ]
             firsts = [asyncio.create_task(c.read()) for c in calls]
-            await asyncio.sleep(0.5)
+            # The first fill steps (one at a time: the others wait their turn, held in the
+            # queue), and the other two have arrived; none can finish its 1000 steps meanwhile.
+            await asyncio.wait_for(asyncio.shield(firsts[0]), 10)
+            await asyncio.sleep(0.1)
             refused = None
             try:
                 extra = stub.Run(stage_pb2.StageRequest(request_id="extra", params=params, input=embeds))
