@@ -169,6 +169,9 @@ class StageContext:
     # encoder's layers; vae-decode: the decode at `capture_sizes`; the DiT's execution flags
     # are `denoiser`).
     compile: bool = False
+    # Replay forwards as CUDA graphs where the family's stage model has them (ar-encoder: a
+    # lone prompt's; the DiT's execution flags are `denoiser`).
+    cuda_graphs: bool = False
     # (width, height) sizes the stage compiles ahead (--capture-sizes).
     capture_sizes: tuple[tuple[int, int], ...] = ()
     # Runs model work on the replica's compute thread (one forward at a time per device).

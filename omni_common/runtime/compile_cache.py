@@ -82,7 +82,7 @@ class KeepDecisions:
 
 
 def decisions_for(kind: str, device: torch.device, model_config: dict[str, Any]) -> KeepDecisions | None:
-    """The KeepDecisions of `kind` ("cuda-graphs", "vae-compile") in this process's compile
+    """The KeepDecisions of `kind` ("cuda-graphs", "encoder-graphs", "vae-compile") in this process's compile
     cache (None without one), named by what decides them: the GPU, PyTorch and the model's
     architecture."""
     if _directory is None:

@@ -250,8 +250,8 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "--cuda-graphs",
         default=env("CUDA_GRAPHS", "auto"),
         choices=("auto", "on", "off"),
-        help="dit-denoise: replay each forward as a CUDA graph (auto: on a CUDA device without "
-        "layerwise offload)",
+        help="dit-denoise: replay each forward as a CUDA graph; ar-encoder: each lone prompt's "
+        "(auto: on a CUDA device without layerwise offload)",
     )
     parser.add_argument(
         "--capture-sizes",
@@ -271,8 +271,9 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         default=env("COMPILE", "auto"),
         choices=("auto", "on", "off"),
         help="torch.compile the model's repeated blocks: dit-denoise the transformer's (auto: on "
-        "a CUDA device without layerwise offload), ar-encoder the text encoder's, vae-decode the "
-        "decode at --capture-sizes (auto: on a CUDA device)",
+        "a CUDA device without layerwise offload), ar-encoder the text encoder's (on only: auto "
+        "replays lone prompts as CUDA graphs instead), vae-decode the decode at --capture-sizes "
+        "(auto: on a CUDA device)",
     )
     parser.add_argument(
         "--compile-cache",

@@ -157,6 +157,15 @@ class Worker:
             raise SystemExit(f"{self.stage}: --compile on needs a CUDA device")
         return value == "on" or (value == "auto" and self.device.type == "cuda")
 
+    def execution_flag(self, name: str, value: str) -> bool:
+        """An auto/on/off flag of a path that holds the weights' addresses (CUDA graphs, the
+        DiT's compiled blocks): auto is on for a CUDA device without layerwise offload, whose
+        per-layer copies neither a graph nor a compiled block may bake in."""
+        possible = self.device.type == "cuda" and self.config.offload != "layerwise"
+        if value == "on" and not possible:
+            raise SystemExit(f"{self.stage}: {name} on needs a CUDA device and no layerwise offload")
+        return value == "on" or (value == "auto" and possible)
+
     def role_limits(self) -> RoleLimits:
         config = self.config
         return RoleLimits(
@@ -193,9 +202,10 @@ class Worker:
         return done
 
     def _forget_cuda_graphs(self) -> None:
-        for spec in self.role_specs:
-            if spec.kind == "steps":
-                self.model.runners[spec.name].forget_cuda_graphs()  # type: ignore[union-attr]
+        for runner in self.model.runners.values():
+            forget = getattr(runner, "forget_cuda_graphs", None)  # runners with graphs have it
+            if forget is not None:
+                forget()
 
     def load(self) -> int:
         """The stage's load signal for routing: the sum of its roles' work."""

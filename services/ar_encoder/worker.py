@@ -28,5 +28,8 @@ class EncoderWorker(Worker):
             vllm_memory_fraction=config.vllm_memory_fraction,
             cache_bytes=config.cache_bytes,
             cache_bypass=config.cache_bypass,
-            compile=self.compile_flag(),
+            # --compile on compiles the text encoder's layers; auto leaves them eager: a lone
+            # prompt's graph replay beats them (QwenImageEncoder.use_cuda_graphs).
+            compile=self.compile_flag() and config.compile == "on",
+            cuda_graphs=self.execution_flag("--cuda-graphs", config.cuda_graphs),
         )

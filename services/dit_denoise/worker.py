@@ -25,19 +25,13 @@ class DenoiseWorker(Worker):
         graph nor a compiled block may bake in."""
         config = self.config
         return DenoiserOptions(
-            cuda_graphs=self._flag("--cuda-graphs", config.cuda_graphs),
+            cuda_graphs=self.execution_flag("--cuda-graphs", config.cuda_graphs),
             capture_sizes=config.capture_sizes,
             max_batch=config.max_batch,
             attention_backend=config.attention_backend,
-            compile=self._flag("--compile", config.compile),
+            compile=self.execution_flag("--compile", config.compile),
             lora_bytes=config.lora_bytes,
             lora_dir=config.lora_dir,
             lora_batching=config.lora_batching,
             defer_warm_up=True,  # this replica's StepScheduler runs the idle work
         )
-
-    def _flag(self, name: str, value: str) -> bool:
-        possible = self.device.type == "cuda" and self.config.offload != "layerwise"
-        if value == "on" and not possible:
-            raise SystemExit(f"dit-denoise: {name} on needs a CUDA device and no layerwise offload")
-        return value == "on" or (value == "auto" and possible)

@@ -47,6 +47,8 @@ class TextBackend(Protocol):
 
     async def embed(self, texts: list[str], *, deadline: float | None, label: str) -> list[torch.Tensor]: ...
 
+    def forget_cuda_graphs(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -85,6 +87,9 @@ class TorchBackend:
     async def embed(self, texts: list[str], *, deadline: float | None, label: str) -> list[torch.Tensor]:
         return await self.batcher.submit(texts, deadline=deadline, label=label)
 
+    def forget_cuda_graphs(self) -> None:
+        self.encoder.forget_cuda_graphs()
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -117,6 +122,9 @@ class VllmBackend:
         finally:
             self.in_flight -= len(texts)
 
+    def forget_cuda_graphs(self) -> None:
+        pass  # the engine keeps its own graphs, with its weights
+
     def close(self) -> None:
         self.encoder.close()
 
@@ -148,6 +156,10 @@ class PromptEncoder:
     def load(self) -> int:
         """Prompts waiting or being encoded."""
         return self.in_flight
+
+    def forget_cuda_graphs(self) -> None:
+        """The text encoder's weights are about to move (sleep, offload)."""
+        self.backend.forget_cuda_graphs()
 
     def key(self, text: str, request: GenerationRequest) -> CacheKey:
         return CacheKey(self.model_key, text, PROMPT_TEMPLATE, request.max_sequence_length)
@@ -203,6 +215,8 @@ def load_prompt_stage(model_dir: Path, context: StageContext) -> PromptStage:
         encoder = QwenImageEncoder.load(model_dir, context.device, context.dtype)
         if context.compile:
             encoder.compile()
+        if context.cuda_graphs:
+            encoder.use_cuda_graphs()
         text_encoder = encoder.text_encoder
         backend = TorchBackend(
             encoder,

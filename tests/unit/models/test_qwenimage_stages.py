@@ -10,6 +10,7 @@ import torch
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.qwenimage.encode import GRAPH_BUCKET_TOKENS, PROMPT_TEMPLATE_DROP, template_tokens
 
 SHORT, LONG = "a cat", "a red cat sitting on a blue mat under a green tree"
 
@@ -36,6 +37,19 @@ def test_a_gpu_encoder_keeps_cudnn_attention_out_and_the_cpu_keeps_its_own(split
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+
+
+def test_a_prompt_padded_at_its_end_keeps_its_states(split_runners) -> None:
+    """What a lone prompt's CUDA graph relies on (QwenImageEncoder.use_cuda_graphs): its tokens
+    padded at the end to a graph's bucket get the states the full model's forward gives the
+    unpadded prompt, since causal attention keeps them from seeing the padding."""
+    encoder = split_runners(torch.float32)[0]
+    want = encoder.embed_texts([LONG], alone=True)[0]
+    ids = template_tokens(encoder.tokenizer, [LONG], return_tensors="pt").input_ids
+    padded = torch.cat([ids, torch.full((1, GRAPH_BUCKET_TOKENS - 1), 7)], dim=1)
+    with torch.inference_mode():
+        got = encoder._last_hidden({"input_ids": padded})[0, PROMPT_TEMPLATE_DROP : ids.shape[1]]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_texts_of_different_lengths_get_a_mask_like_diffusers(split_runners, reference_pipeline) -> None:
