@@ -63,7 +63,8 @@ def test_a_restart_reuses_the_first_starts_decisions_and_times_nothing(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With a compile cache, where compiling paid is remembered: a restarted stage compiles
-    the sizes that paid, leaves the others eager, and times neither."""
+    the sizes that paid in the background while it serves eagerly, leaves the others eager,
+    and times neither."""
     from omni_common.runtime import compile_cache
 
     monkeypatch.setattr(compile_cache, "_directory", tmp_path)
@@ -80,6 +81,11 @@ def test_a_restart_reuses_the_first_starts_decisions_and_times_nothing(
         decode, "_decode_ms", lambda *a, **k: timed.append(k.get("runs", 5)) or real_decode_ms(*a, **k)
     )
     restarted = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32, compile_sizes=[(64, 64), (32, 32)])
+    # It serves at once, eagerly, while the kept size loads in the background.
+    eager_image = restarted.decode(states(restarted, 64, 1))[0]
+    restarted.wait_compiled()
     side = 64 // restarted.vae_scale_factor
     assert restarted._compiled_shapes == {(1, restarted.vae.config["z_dim"], 1, side, side)}
     assert timed == [0]  # the kept size compiled (loaded) once, untimed; the other not at all
+    compiled_image = restarted.decode(states(restarted, 64, 1))[0]
+    torch.testing.assert_close(compiled_image, eager_image, atol=1e-3, rtol=0)
