@@ -4,13 +4,18 @@ Concurrent submissions are queued; whenever the runner is free, everything queue
 `max_batch` items and `max_cost` of their `cost`, after waiting `window_s` for company) runs
 as one batch. With window 0 a
 lone request pays no added latency, and requests that arrive while a batch runs form the
-next one. The queue is bounded: a full queue is RESOURCE_EXHAUSTED with a retry hint.
+next one. A request that says others are moments behind it (`followers`: requests that left
+the previous stage in the same step, StepScheduler's FINISHED_WITH) waits for them, at most
+FOLLOWERS_WAIT_S: otherwise the first of a burst runs alone and the rest queue behind it (on
+an H200, 8 images finished by one DiT step decoded as 1 then 7: 219 ms for the last, 138 ms
+as one batch). The queue is bounded: a full queue is RESOURCE_EXHAUSTED with a retry hint.
 One failing item never fails its batch: the batch is retried item by item.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -24,6 +29,9 @@ from omni_common.runtime import tracing
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
 log = logging.getLogger("omnistage.batching")
+# How long a batch waits for the followers its first request announced: they left the
+# previous stage with it, so they come within milliseconds, or not soon.
+FOLLOWERS_WAIT_S = 0.025
 
 
 @dataclass(eq=False)
@@ -32,6 +40,7 @@ class _Pending(Generic[I, O]):
     future: asyncio.Future[O]
     deadline: float | None
     label: str
+    followers: int = 0  # requests moments behind this one (submit's `followers`)
     waiting: Any = tracing.NO_SPAN  # the request's wait in the queue (tracing.start)
 
     def end_wait(self) -> None:
@@ -66,8 +75,11 @@ class MicroBatcher(Generic[I, O]):
     def __len__(self) -> int:
         return len(self.queue)
 
-    async def submit(self, item: I, *, deadline: float | None = None, label: str = "") -> O:
-        """Queue `item` and wait for its result (cancelling the wait drops the item)."""
+    async def submit(
+        self, item: I, *, deadline: float | None = None, label: str = "", followers: int = 0
+    ) -> O:
+        """Queue `item` and wait for its result (cancelling the wait drops the item);
+        `followers`: requests for this batcher moments behind it, worth waiting for."""
         if len(self.queue) >= self.max_queue:
             wait_ms = max(1, round(self.batch_ms * (len(self.queue) / self.max_batch + 1)))
             raise ResourceExhausted(
@@ -81,7 +93,7 @@ class MicroBatcher(Generic[I, O]):
         waiting = tracing.start(
             "queue wait", attributes={"omnistage.queue": self.name, "omnistage.queued": len(self.queue)}
         )
-        pending = _Pending(item, future, deadline, label, waiting)
+        pending = _Pending(item, future, deadline, label, followers, waiting)
         self.queue.append(pending)
         self._wake.set()
         try:
@@ -98,6 +110,7 @@ class MicroBatcher(Generic[I, O]):
             if not self.queue:
                 self._wake.clear()
                 await self._wake.wait()
+            await self._await_followers()
             if self.window_s > 0 and len(self.queue) < self.max_batch:
                 await asyncio.sleep(self.window_s)
             batch = self._take()
@@ -105,6 +118,16 @@ class MicroBatcher(Generic[I, O]):
                 started = time.perf_counter()
                 await self._run(batch)
                 self.batch_ms = (time.perf_counter() - started) * 1e3
+
+    async def _await_followers(self) -> None:
+        """Wait, at most FOLLOWERS_WAIT_S, until the followers the queue's first request
+        announced (or a full batch) are queued too."""
+        wanted = min(1 + self.queue[0].followers, self.max_batch)
+        until = time.monotonic() + FOLLOWERS_WAIT_S
+        while self.queue and len(self.queue) < wanted and (left := until - time.monotonic()) > 0:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
 
     def _take(self) -> list[_Pending[I, O]]:
         batch: list[_Pending[I, O]] = []

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 from omni_common.models.base import GenerationRequest, RoleCall, StageState
 from omni_common.runtime.feeds import Inbox
 
+# A step-wise stage's output meta: how many other requests its step finished too. They head
+# for the same next stage within moments; the coordinator passes the count on as that call's
+# followers, so a batching stage (vae-decode) waits for them (batching.FOLLOWERS_WAIT_S).
+FINISHED_WITH = "omnistage.finished_with"
+
 
 @dataclass
 class Progress:

@@ -68,7 +68,9 @@ class BatchRole:
         cost = self.runner.cost(role_call)
         self.pending += cost
         try:
-            yield await self.batcher.submit(role_call, deadline=call.deadline, label=call.request_id)
+            yield await self.batcher.submit(
+                role_call, deadline=call.deadline, label=call.request_id, followers=call.followers
+            )
         finally:
             self.pending -= cost
 

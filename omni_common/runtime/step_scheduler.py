@@ -46,7 +46,7 @@ from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, U
 from omni_common.imaging import to_png
 from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
 from omni_common.runtime import tracing
-from omni_common.runtime.calls import Progress, StageCall
+from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
 
 log = logging.getLogger("omnistage.steps")
 IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are checked
@@ -510,9 +510,13 @@ class StepScheduler:
             self.jobs.remove(job)
             _log_steps(self.name, job)
             try:
-                job.events.put_nowait(await self.compute(self.runner.finish, state))
+                result = await self.compute(self.runner.finish, state)
             except Exception:
                 self._fail(job)
+                return
+            if (together := sum(launched.finished)) > 1:
+                result.meta[FINISHED_WITH] = str(together - 1)
+            job.events.put_nowait(result)
 
 
 def _log_steps(name: str, job: Job) -> None:

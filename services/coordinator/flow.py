@@ -39,6 +39,7 @@ from omni_common.audio import encode_audio
 from omni_common.errors import DeadlineExceeded, NotFound, OmniError, Unavailable, error_from_rpc
 from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
 from omni_common.runtime import tracing
+from omni_common.runtime.calls import FINISHED_WITH
 from omni_common.runtime.rpc import CHUNK_BYTES
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
@@ -308,7 +309,7 @@ class RequestFlow:
             preview_every=req.options.preview_every if step.progress == "steps" else 0,
             outputs=outputs,
             streaming=stream_in is not None,
-            followers=self.followers(req, step) if step.progress == "steps" else 0,
+            followers=self.followers(req, step) if step.progress == "steps" else _finished_with(inputs),
         )
         if step.resumable:
             # Checkpoints serve failover: without another replica to resume on they only cost.
@@ -724,6 +725,15 @@ class PlanRun:
             if size > best and replica is not None and replica.info is not None:
                 best, host = size, replica.info.host_id
         return host
+
+
+def _finished_with(inputs: tensor_pb2.StageState) -> int:
+    """Requests whose step-wise stage finished them in the same step as these inputs' (its
+    FINISHED_WITH meta): on their way to the same next stage."""
+    try:
+        return max(0, int(inputs.meta.get(FINISHED_WITH, "0")))
+    except ValueError:
+        return 0
 
 
 def _connection_lost(err: grpc.RpcError) -> bool:

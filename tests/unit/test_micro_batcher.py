@@ -9,7 +9,7 @@ import time
 import pytest
 
 from omni_common.errors import DeadlineExceeded, InvalidArgument, OmniError, ResourceExhausted
-from omni_common.runtime.batching import MicroBatcher
+from omni_common.runtime.batching import FOLLOWERS_WAIT_S, MicroBatcher
 
 
 class Doubler:
@@ -53,6 +53,29 @@ def test_without_a_window_requests_arriving_during_a_batch_form_the_next() -> No
         return fn
 
     assert asyncio.run(main()).batches == [[1], [2, 3, 4]]
+
+
+def test_a_request_waits_for_its_announced_followers_within_a_bound() -> None:
+    """A request whose followers left the previous stage with it (a DiT step that finished
+    several) holds the batch for them; announced ones that never come cost FOLLOWERS_WAIT_S
+    once, unannounced ones nothing."""
+
+    async def main(followers: int, arrive: int) -> tuple[Doubler, float]:
+        fn = Doubler()
+        batcher = MicroBatcher(fn, name="t", max_batch=8)
+        started = time.monotonic()
+        first = asyncio.create_task(batcher.submit(1, followers=followers))
+        await asyncio.sleep(FOLLOWERS_WAIT_S / 5)  # the followers, moments later
+        await asyncio.gather(first, *(batcher.submit(i) for i in range(2, 2 + arrive)))
+        batcher.close()
+        return fn, time.monotonic() - started
+
+    fn, _ = asyncio.run(main(followers=3, arrive=3))
+    assert fn.batches == [[1, 2, 3, 4]]
+    fn, _ = asyncio.run(main(followers=0, arrive=3))
+    assert fn.batches == [[1], [2, 3, 4]]
+    fn, took = asyncio.run(main(followers=5, arrive=0))
+    assert fn.batches == [[1]] and took >= FOLLOWERS_WAIT_S
 
 
 def test_max_batch_splits_batches() -> None:

@@ -27,7 +27,7 @@ from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.models.base import GenerationRequest, StageState, StepRunner, StepState
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
-from omni_common.runtime.calls import StageCall
+from omni_common.runtime.calls import FINISHED_WITH, StageCall
 from omni_common.runtime.step_scheduler import FOLLOWERS_WAIT_S, StepScheduler
 
 CPU = torch.device("cpu")
@@ -173,6 +173,25 @@ def test_a_request_waits_for_the_followers_its_call_announces(runners, overlap) 
     assert sizes[0] == 1  # nothing announced: no wait
     sizes, took = run_async(lambda compute: main(compute, 5, 0))
     assert sizes == [1, 1, 1] and took >= FOLLOWERS_WAIT_S
+
+
+def test_requests_one_step_finished_say_how_many_finished_with_them(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+    """Results carry FINISHED_WITH when their step finished others too: the coordinator tells
+    the next stage to wait for them (batching.FOLLOWERS_WAIT_S); a lone result does not."""
+    pair = [call(runners, f"pair {i}", seed=i, num_inference_steps=2) for i in range(2)]
+    lone = call(runners, "lone", seed=5, num_inference_steps=2)
+
+    async def main(compute: Compute) -> tuple[list[StageState], StageState, list[int]]:
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
+        together = await asyncio.gather(*(result_of(scheduler.run(c)) for c in pair))
+        alone = await result_of(scheduler.run(lone))
+        scheduler.close()
+        return list(together), alone, list(scheduler.batch_sizes)
+
+    together, alone, sizes = run_async(main)
+    assert sizes == [2, 2, 1, 1]
+    assert [result.meta.get(FINISHED_WITH) for result in together] == ["1", "1"]
+    assert FINISHED_WITH not in alone.meta
 
 
 class IdleCounting(QwenImageDenoiser):
