@@ -82,9 +82,9 @@ class KeepDecisions:
 
 
 def decisions_for(kind: str, device: torch.device, model_config: dict[str, Any]) -> KeepDecisions | None:
-    """The KeepDecisions of `kind` ("cuda-graphs", "encoder-graphs", "vae-compile") in this process's compile
-    cache (None without one), named by what decides them: the GPU, PyTorch and the model's
-    architecture."""
+    """The KeepDecisions of `kind` ("cuda-graphs", "encoder-graphs", "vae-compile") in this
+    process's compile cache (None without one), named by what decides them: the GPU, PyTorch
+    and the model's architecture."""
     if _directory is None:
         return None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
