@@ -183,14 +183,15 @@ def test_each_pod_gets_the_token_and_only_its_own_tls_key(name: str) -> None:
     assert env["OMNISTAGE_TLS_KEY"]["value"].endswith(f"/{name}-key.pem") and mount["readOnly"]
 
 
-def test_the_dit_keeps_its_compile_cache_on_a_shared_volume_as_in_compose() -> None:
-    compose = COMPOSE_DOC["services"]["dit-denoise"]
+@pytest.mark.parametrize("name", ["ar-encoder", "dit-denoise", "vae-decode"])
+def test_a_stage_keeps_its_compile_cache_on_a_shared_volume_as_in_compose(name: str) -> None:
+    compose = COMPOSE_DOC["services"][name]
     target = compose["environment"]["OMNISTAGE_COMPILE_CACHE"]
     assert any(interpolate(v, {}).split(":")[1] == target for v in compose["volumes"])
-    env = {e["name"]: e.get("value") for e in container("dit-denoise")["env"]}
+    env = {e["name"]: e.get("value") for e in container(name)["env"]}
     assert env["OMNISTAGE_COMPILE_CACHE"] == target
-    (mount,) = [m for m in container("dit-denoise")["volumeMounts"] if m["mountPath"] == target]
-    pod = find("Deployment", "dit-denoise")["spec"]["template"]["spec"]
+    (mount,) = [m for m in container(name)["volumeMounts"] if m["mountPath"] == target]
+    pod = find("Deployment", name)["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     claim = find("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every replica reads and writes it
