@@ -82,6 +82,7 @@ def test_a_restart_reuses_the_first_starts_decisions_and_times_nothing(
     )
     restarted = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32, compile_sizes=[(64, 64), (32, 32)])
     # It serves at once, eagerly, while the kept size loads in the background.
+    assert restarted._loading is not None  # compile() returned with the load handed to a thread
     eager_image = restarted.decode(states(restarted, 64, 1))[0]
     restarted.wait_compiled()
     side = 64 // restarted.vae_scale_factor
