@@ -17,6 +17,13 @@ def omnistage_segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob("omnistage-*")}
 
 
+def assert_no_segment_added(before: set[str]) -> None:
+    """No segment is left that was not there `before`. Those that were may be gone: the processes
+    a test starts sweep what dead processes left (an earlier, killed run's), as they should."""
+    added = omnistage_segments() - before
+    assert not added, f"shared-memory segments left behind: {sorted(added)}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen-Image fixture (diffusers layout), built once per session."""

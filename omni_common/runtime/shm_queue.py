@@ -5,12 +5,12 @@ processes, each way). A message is a small header (a pickled dataclass of plain 
 request's parameters, tensor names, dtypes and shapes) followed by the raw bytes of its tensors,
 row-major, written once into the ring and copied out once by the reader: tensors are never
 pickled. A semaphore per queue wakes the reader (no spinning on a busy CPU); the ring's two
-positions live in the segment's first bytes.
+positions live in the segment's header, after the owner's stamp.
 
 The segment is made like the transport arena's (omni_common.transport.arena: our prefix, a random
 name, mode 0600) by the process that owns the queue; the other side maps it by path when it
-starts, and the owner unlinks the name as soon as both have it mapped (`unlink`), so no process
-death can leave the segment behind.
+starts, and the owner unlinks the name as soon as both have it mapped (`unlink`). Should the owner
+be killed before that, the stamp lets the next process's `sweep_stale_segments` remove it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ from typing import Any
 import torch
 
 from omni_common.transport.arena import close_map, create_segment, segment_path
+from omni_common.transport.leases import QUEUE_MAGIC
+from omni_common.transport.owner import STAMP, stamp
 
-HEADER = 64  # write position (u64), read position (u64), padding
+# The owner's stamp (a dead owner's queue is swept), write position (u64), read position (u64)
+WRITE_AT = STAMP.size
+READ_AT = WRITE_AT + 8
+HEADER = 64
 LENGTH = struct.Struct("<Q")
 WRAP = (1 << 64) - 1  # a length that says: the rest of the ring is unused, go to its start
 _KNOWN = (
@@ -64,6 +69,7 @@ class ShmQueue:
         self.capacity = capacity
         self.path = segment_path(Path(shm_dir), secrets.token_hex(8), "queue")
         self._mm: mmap.mmap | None = create_segment(self.path, HEADER + capacity)
+        self._mm[: STAMP.size] = stamp(QUEUE_MAGIC)
         self._owner = os.getpid()
         self.items = context.Semaphore(0)
 
@@ -92,7 +98,7 @@ class ShmQueue:
         return self._mm
 
     def _positions(self) -> tuple[int, int]:
-        return LENGTH.unpack_from(self._map, 0)[0], LENGTH.unpack_from(self._map, 8)[0]
+        return LENGTH.unpack_from(self._map, WRITE_AT)[0], LENGTH.unpack_from(self._map, READ_AT)[0]
 
     def put(
         self,
@@ -139,7 +145,7 @@ class ShmQueue:
             if t.nbytes:
                 mm[at : at + t.nbytes] = t.reshape(-1).view(torch.uint8).numpy().data
             at += t.nbytes
-        LENGTH.pack_into(mm, 0, write + body)
+        LENGTH.pack_into(mm, WRITE_AT, write + body)
         self.items.release()
 
     def get(self, timeout: float) -> tuple[Any, dict[str, torch.Tensor]] | None:
@@ -156,7 +162,7 @@ class ShmQueue:
         size = LENGTH.unpack_from(mm, at)[0]
         head_len = LENGTH.unpack_from(mm, at + LENGTH.size)[0]
         data = bytearray(mm[at + 2 * LENGTH.size : at + LENGTH.size + size])
-        LENGTH.pack_into(mm, 8, read + LENGTH.size + size)
+        LENGTH.pack_into(mm, READ_AT, read + LENGTH.size + size)
         header, specs = pickle.loads(data[:head_len])
         tensors, cursor = {}, head_len
         view = memoryview(data)

@@ -20,6 +20,7 @@ from pathlib import Path
 from omni_common.errors import InvalidArgument, ResourceExhausted
 
 from .arena import FILE_RE, close_map, create_segment, segment_path
+from .owner import STAMP, is_gone, stamped_owner_is_gone, this_process
 
 MAGIC = b"OMNILEAS"
 VERSION = 1
@@ -36,6 +37,10 @@ CAPACITY = 4096
 # The segment index of a lease on GPU memory (CUDA IPC) rather than in the shm arena; arena
 # ids stop at nine digits, so no ShmRef can name it.
 CUDA_SEGMENT = 0xFFFFFFFF
+
+# A ShmQueue's segment (omni_common.runtime.shm_queue) starts with its owner's stamp.
+QUEUE_RE = re.compile(r"omnistage-[0-9a-f]{16}-queue")
+QUEUE_MAGIC = b"OMNIQUEU"
 
 LEASE_ID_RE = re.compile(r"([0-9a-f]{16})-(0|[1-9][0-9]{0,5})-([0-9a-f]{16})")
 
@@ -101,35 +106,6 @@ def capacity_of(buf: mmap.mmap) -> int | None:
     return int(capacity)
 
 
-def _proc_stat(pid: int) -> list[bytes]:
-    """The fields of /proc/<pid>/stat after the command name ([] when unreadable)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 :].split()
-    except (OSError, ValueError):
-        return []
-
-
-def _start_time(pid: int) -> int:
-    """Start time of a process in clock ticks (0 when unknown); tells a reused pid apart."""
-    fields = _proc_stat(pid)
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
-
-
-def _is_zombie(pid: int) -> bool:
-    """Whether `pid` has exited but not been reaped yet (its memory, segments aside, is gone)."""
-    fields = _proc_stat(pid)
-    return bool(fields) and fields[0] == b"Z"
-
-
-def _pid_ns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
 class LeaseTable:
     """The producer's side: allocates, writes and clears slots. Not locked: callers lock."""
 
@@ -138,8 +114,7 @@ class LeaseTable:
         self.capacity = capacity
         self.path = segment_path(shm_dir, token, "leases")
         self.mm = create_segment(self.path, HEADER_BYTES + capacity * SLOT_BYTES)
-        pid = os.getpid()
-        HEADER.pack_into(self.mm, 0, MAGIC, VERSION, capacity, pid, _pid_ns(), _start_time(pid))
+        HEADER.pack_into(self.mm, 0, MAGIC, VERSION, capacity, *this_process())
         self._free = list(range(capacity - 1, -1, -1))
         self._seq = [0] * capacity
 
@@ -175,26 +150,40 @@ class LeaseTable:
 
 def _owner_is_dead(header: bytes) -> bool:
     magic, version, _, pid, pid_ns, start = HEADER.unpack_from(header, 0)
-    if magic != MAGIC or version != VERSION or pid <= 0:
-        return False  # not ours or still being written: leave it
-    if pid_ns != _pid_ns():
-        return False  # another pid namespace: its pids mean nothing here
+    if magic != MAGIC or version != VERSION:
+        return False  # not ours: leave it
+    return is_gone(pid, pid_ns, start)  # pid 0: still being written
+
+
+def _read_head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of a segment file (b"" when it cannot be read)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    if _is_zombie(pid):
-        return True  # killed, its parent has not waited for it yet
-    return bool(start) and _start_time(pid) not in (0, start)  # pid reused by someone else
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return b""
+
+
+def _unlink_all(root: Path, names: list[str]) -> int:
+    removed = 0
+    for name in names:
+        try:
+            os.unlink(root / name)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def sweep_stale_segments(shm_dir: Path | str = "/dev/shm") -> int:
     """Unlink the segments of omnistage processes that are gone; returns how many files.
 
-    Only files whose lease table names a dead owner are touched; live processes' files and
-    files without a readable table are left alone.
+    Only files whose owner is surely gone are touched: an arena's segments when its lease
+    table names a dead owner, a queue when its own stamp does. Live processes' files and files
+    without a readable table or stamp are left alone.
     """
     root = Path(shm_dir)
     try:
@@ -202,29 +191,20 @@ def sweep_stale_segments(shm_dir: Path | str = "/dev/shm") -> int:
     except OSError:
         return 0
     by_token: dict[str, list[str]] = {}
+    queues: list[str] = []
     for name in names:
         m = FILE_RE.fullmatch(name)
         if m:
             by_token.setdefault(m.group(1), []).append(name)
+        elif QUEUE_RE.fullmatch(name):
+            queues.append(name)
     removed = 0
     for token, files in by_token.items():
         table = f"omnistage-{token}-leases"
-        if table not in files:
-            continue
-        try:
-            fd = os.open(root / table, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                header = os.pread(fd, HEADER.size, 0)
-            finally:
-                os.close(fd)
-        except OSError:
-            continue
-        if len(header) < HEADER.size or not _owner_is_dead(header):
-            continue
-        for name in sorted(files, key=lambda n: n.endswith("-leases")):  # table last
-            try:
-                os.unlink(root / name)
-                removed += 1
-            except FileNotFoundError:
-                pass
+        header = _read_head(root / table, HEADER.size) if table in files else b""
+        if len(header) == HEADER.size and _owner_is_dead(header):
+            removed += _unlink_all(root, sorted(files, key=lambda n: n.endswith("-leases")))  # table last
+    for name in queues:
+        if stamped_owner_is_gone(_read_head(root / name, STAMP.size), QUEUE_MAGIC):
+            removed += _unlink_all(root, [name])
     return removed

@@ -4,15 +4,19 @@ device group tests cross processes)."""
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from omni_common.runtime.shm_queue import ShmQueue
+from omni_common.transport import sweep_stale_segments
 
 
 @dataclass(frozen=True)
@@ -100,3 +104,33 @@ def test_a_full_queue_with_its_reader_gone_raises(queue: ShmQueue) -> None:
 def test_a_message_larger_than_half_the_ring_is_refused(queue: ShmQueue) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         queue.put(Note(0, ""), {"x": torch.zeros(1024)})
+
+
+OWNER = """
+import multiprocessing, sys, time
+from omni_common.runtime.shm_queue import ShmQueue
+queue = ShmQueue(multiprocessing.get_context("spawn"), 4096, sys.argv[1])
+print(queue.path, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_queue_of_a_killed_owner_is_swept_and_a_live_ones_is_not(tmp_path: Path) -> None:
+    # The window this covers: a replica's server killed after making its queues, before its
+    # workers mapped them (it unlinks them then).
+    mine = ShmQueue(multiprocessing.get_context("spawn"), 4096, str(tmp_path))
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        theirs = Path(owner.stdout.readline().strip())
+        assert theirs.exists()
+        assert sweep_stale_segments(tmp_path) == 0  # both owners live
+        owner.kill()
+        owner.wait(10)
+        assert sweep_stale_segments(tmp_path) == 1
+        assert not theirs.exists() and mine.path.exists()
+    finally:
+        owner.kill()
+        owner.wait(10)
+        mine.close()
+    assert list(tmp_path.iterdir()) == []

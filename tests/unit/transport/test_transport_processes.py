@@ -91,10 +91,11 @@ def test_sweep_removes_a_killed_producers_segments_only(make_transport) -> None:
 def test_new_transport_sweeps_on_start(tmp_path) -> None:
     token = "ab" * 8
     (tmp_path / f"omnistage-{token}-0").write_bytes(b"x")
-    from omni_common.transport.leases import HEADER, MAGIC, VERSION, _pid_ns
+    from omni_common.transport.leases import HEADER, MAGIC, VERSION
+    from omni_common.transport.owner import pid_namespace
 
     dead_pid = 2**22 + 12345  # above pid_max on common systems
-    header = HEADER.pack(MAGIC, VERSION, 1, dead_pid, _pid_ns(), 0)
+    header = HEADER.pack(MAGIC, VERSION, 1, dead_pid, pid_namespace(), 0)
     (tmp_path / f"omnistage-{token}-leases").write_bytes(header.ljust(128, b"\0"))
     (tmp_path / "omnistage-notours").write_bytes(b"keep")
     tr = TensorTransport(shm_dir=tmp_path)
