@@ -38,6 +38,7 @@ from .arena import ShmArena
 from .codec import byte_array, copy_bytes, decode_inline, dtype_name, encode_inline, host_contiguous
 from .leases import CUDA_SEGMENT, LeaseKey, LeaseTable, parse_lease_id, short, sweep_stale_segments
 from .peers import PeerMaps, import_shm
+from .remote import fetch_remote
 from .route import Consumer, host_id_default, say_once, use_cuda_ipc
 
 # Above this size an import runs in a worker thread so the event loop keeps serving.
@@ -251,8 +252,6 @@ class TensorTransport:
         self, state: tensor_pb2.StageState
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Decode every TensorRef of a state into tensors this process owns."""
-        from .store import fetch_remote  # store imports this module
-
         names = [ref.name for ref in state.tensors]
         if len(set(names)) != len(names):
             raise InvalidArgument("duplicate tensor names in stage state")

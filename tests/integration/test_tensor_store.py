@@ -13,7 +13,7 @@ import torch
 from omni_common.errors import InvalidArgument, NotFound
 from omni_common.runtime.rpc import aio_channel, aio_server
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, release_remote
-from omni_common.transport.store import fetch_remote
+from omni_common.transport.remote import fetch_remote
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
 
