@@ -40,7 +40,7 @@ PROMPT = "a handwritten digit seven"
 
 def gateway_process(coordinator: str) -> LocalProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "omni_common.cli", "serve", "gateway"]
+    argv = [sys.executable, "-m", "omnistage.cli", "serve", "gateway"]
     env = {"OMNISTAGE_PORT": str(port), "OMNISTAGE_COORDINATOR": coordinator}
     return LocalProcess("gateway", argv, env, f"http://{LOOPBACK}:{port}/health")
 

@@ -22,11 +22,11 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from omni_common import cli
 from omni_common.client import Client
 from omni_common.errors import InvalidArgument, NotFound
 from omni_common.models.lora import save_random_lora
 from omni_common.runtime.rpc import sync_channel
+from omnistage import cli
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import InProcessCluster
 from tests.integration.test_concurrency import IMAGE_TOL

@@ -18,11 +18,11 @@ import pytest
 from cryptography import x509
 
 from omni_common.certs import SERVICES
-from omni_common.cli import main as cli
 from omni_common.client import Client
 from omni_common.errors import OmniError
 from omni_common.health import check_health
 from omni_common.runtime.tls import CLUSTER_NAME, TlsSettings, bind, https_context
+from omnistage.cli import main as cli
 
 from .conftest import InProcessCluster, InProcessGateway
 
