@@ -117,15 +117,8 @@ def _generate(args: argparse.Namespace) -> int:
                 builder.add(event)
                 if event.HasField("step"):
                     _advance(bars, "denoising", "step", event.step.step, event.step.total, args.quiet)
-                elif event.HasField("tokens"):
-                    tokens = event.tokens
-                    _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, args.quiet)
-                elif event.HasField("waiting") and not args.quiet:
-                    waiting = event.waiting
-                    print(
-                        f"waiting up to {waiting.max_wait_ms / 1e3:g} s for a {waiting.stage} replica",
-                        file=sys.stderr,
-                    )
+                else:
+                    _show_event(bars, event, args.quiet)
             for bar in bars.values():
                 bar.close()
             result = builder.build()
@@ -166,15 +159,8 @@ def _speak(args: argparse.Namespace) -> int:
                 if isinstance(piece, SpeechChunk):
                     heard = round((piece.offset + len(piece.samples)) / piece.sample_rate)
                     _advance(bars, "speech", "s", heard, 0, args.quiet)
-                elif event.HasField("tokens"):
-                    tokens = event.tokens
-                    _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, args.quiet)
-                elif event.HasField("waiting") and not args.quiet:
-                    waiting = event.waiting
-                    print(
-                        f"waiting up to {waiting.max_wait_ms / 1e3:g} s for a {waiting.stage} replica",
-                        file=sys.stderr,
-                    )
+                else:
+                    _show_event(bars, event, args.quiet)
             for bar in bars.values():
                 bar.close()
             reply = builder.build()
@@ -188,6 +174,16 @@ def _speak(args: argparse.Namespace) -> int:
     print(reply.text)
     print(f"saved {out.resolve()} ({reply.seconds:.2f} s of speech, {reply.total_ms:.0f} ms{first})")
     return 0
+
+
+def _show_event(bars: dict[str, Any], event: Any, quiet: bool) -> None:
+    """Token progress and waits for a replica, which image and speech requests share."""
+    if event.HasField("tokens"):
+        tokens = event.tokens
+        _advance(bars, f"{tokens.step} tokens", "tok", tokens.tokens, tokens.total, quiet)
+    elif event.HasField("waiting") and not quiet:
+        waiting = event.waiting
+        print(f"waiting up to {waiting.max_wait_ms / 1e3:g} s for a {waiting.stage} replica", file=sys.stderr)
 
 
 def _advance(bars: dict[str, Any], name: str, unit: str, done: int, total: int, quiet: bool) -> None:

@@ -21,6 +21,7 @@ from omni_common.client import Client
 from omni_common.errors import Cancelled, InvalidArgument
 from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.runtime.rpc import sync_channel
+from omnistage import cli
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import InProcessCluster
@@ -171,3 +172,20 @@ def test_feeds_for_no_running_call_are_refused(omni: InProcessCluster) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with Client(omni.coordinator) as client:  # still serving
         assert client.speak(PROMPT, seed=3, options=CAPS).text
+
+
+def test_the_speak_command_prints_the_reply_and_saves_its_audio(
+    omni: InProcessCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "reply.wav"
+    caps = [f"--option={name}={value}" for name, value in CAPS.items()]
+    argv = ["speak", PROMPT, "-o", str(out), "--address", omni.coordinator, "--seed", "3", *caps]
+    assert cli.main([*argv, "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    with Client(omni.coordinator) as client:
+        reply = client.speak(PROMPT, seed=3, options=CAPS)
+    assert reply.text and printed.startswith(reply.text + "\n")
+    assert f"saved {out.resolve()} ({reply.seconds:.2f} s of speech" in printed
+    expected = tmp_path / "expected.wav"
+    reply.save(expected)
+    assert out.read_bytes() == expected.read_bytes()
