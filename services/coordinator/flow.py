@@ -1,9 +1,10 @@
 """One request through its model's plan, handles only.
 
 A family's plan (omni_common.models.base.Plan) lists the role calls of a request with the
-tensors each consumes and produces; `PlanRun.result` reads as the recipe: produce the result
-step, which first produces the steps it consumes, and so on, each on the least-loaded replica
-that serves its role, steps that do not depend on each other at the same time. Stage outputs
+tensors each consumes and produces; `PlanRun.result` (plan_run.py) reads as the recipe:
+produce the result step, which first produces the steps it consumes, and so on, each on the
+least-loaded replica that serves its role (this file's RequestFlow), steps that do not depend
+on each other at the same time. Stage outputs
 stay in the producing stage's arena; this code passes their handles on and releases each
 output's leases once every step that reads it has finished, and everything of a request that
 fails or is cancelled.
@@ -29,14 +30,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import grpc
 import torch
 
 from omni_common.audio import encode_audio
-from omni_common.errors import DeadlineExceeded, NotFound, OmniError, Unavailable, error_from_rpc
+from omni_common.errors import NotFound, OmniError, Unavailable, error_from_rpc
 from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
 from omni_common.runtime import tracing
 from omni_common.runtime.calls import FINISHED_WITH
@@ -46,73 +46,21 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
 from services.coordinator.leases import Leases, release_later
 from services.coordinator.offload import SwapPolicy
+from services.coordinator.plan_run import PlanRun
 from services.coordinator.registry import Replica, ReplicaPool
-from services.coordinator.step_cache import CachedOutput, StepCache
+from services.coordinator.request import Emit, FlowRequest, StepOutput
+from services.coordinator.step_cache import StepCache
 from services.coordinator.streams import Stream, feed
 
 log = logging.getLogger("omnistage.coordinator")
 
-Emit = Callable[[cpb.GenerateEvent], Awaitable[None]]
 ATTEMPTS = 3  # replicas tried per step before the request fails
 REPLICA_POLL_S = 0.2  # while a request waits for a replica: how often the pool is looked at
-RECOMPUTES = 2  # times a step's lost inputs are produced again before the request fails
 TOKEN_PROGRESS_EVERY = 16  # tokens between two TokenProgress events
 
 
 class ReplicaLost(Unavailable):
     """The replica went away mid-call (killed, crashed, draining)."""
-
-
-@dataclass
-class _Request:
-    """What every step call of one request shares."""
-
-    request_id: str
-    params: stage_pb2.GenerationParams
-    options: cpb.GenerateRequest
-    deadline: float | None  # time.monotonic()
-    emit: Emit
-    leases: Leases
-    media: dict[str, bytes]  # the request's own inputs by tensor name ("input.image.0")
-    # Per resumable step: its latest checkpoint and the replica that holds it.
-    checkpoints: dict[str, tuple[str, tensor_pb2.StageState]] = field(default_factory=dict)
-    failovers: list[str] = field(default_factory=list)
-    # Per streaming step: the chunks it sent so far.
-    streams: dict[str, Stream] = field(default_factory=dict)
-    text: list[str] = field(default_factory=list)  # the reply's text, as TextDelta events sent it
-    audio_samples: int = 0  # samples sent in AudioChunk events
-    audio_chunks: int = 0
-    plan: Plan | None = None
-
-    @property
-    def shape(self) -> tuple[object, ...]:
-        """What requests share to run in one batch of a step-wise stage, as far as the
-        coordinator can tell: the model, the size, the steps and whether CFG doubles them."""
-        p = self.params
-        return (p.model, p.width, p.height, p.num_inference_steps, p.true_cfg_scale > 1)
-
-    def stream(self, step: str) -> Stream:
-        return self.streams.setdefault(step, Stream())
-
-    def timeout(self, stage_timeout_s: float) -> float:
-        """The stage call's timeout: the client's remaining time, capped by the stage limit."""
-        if self.deadline is None:
-            return stage_timeout_s
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"request {self.request_id}: the deadline passed")
-        return min(stage_timeout_s, remaining)
-
-
-@dataclass(eq=False)
-class StepOutput:
-    """A finished step's output handles and where they live."""
-
-    step: PlanStep
-    producer: str  # replica address that holds the memory
-    state: tensor_pb2.StageState
-    cached: CachedOutput | None = None  # owned by the step cache (not released by the request)
-    released: bool = False
 
 
 class RequestFlow:
@@ -153,7 +101,7 @@ class RequestFlow:
         """Run one validated request's plan; `options` gives the result's format and progress
         rate, `deadline` (time.monotonic()) the client's deadline, which every call carries."""
         started = time.perf_counter()
-        req = _Request(request_id, params, options, deadline, emit, Leases(self.transport), media or {})
+        req = FlowRequest(request_id, params, options, deadline, emit, Leases(self.transport), media or {})
         req.plan = plan
         run = PlanRun(self, req, plan)
         try:
@@ -170,7 +118,7 @@ class RequestFlow:
 
     async def run_step(
         self,
-        req: _Request,
+        req: FlowRequest,
         step: PlanStep,
         inputs: tensor_pb2.StageState,
         *,
@@ -216,7 +164,7 @@ class RequestFlow:
             )
 
     @contextlib.contextmanager
-    def _counted(self, req: _Request, step: PlanStep) -> Iterator[None]:
+    def _counted(self, req: FlowRequest, step: PlanStep) -> Iterator[None]:
         """`req` counts in `step`'s in_step while the block runs."""
         key = (req.shape, step.name)
         self.in_step[key] += 1
@@ -227,7 +175,7 @@ class RequestFlow:
             if not self.in_step[key]:
                 del self.in_step[key]
 
-    def followers(self, req: _Request, step: PlanStep) -> int:
+    def followers(self, req: FlowRequest, step: PlanStep) -> int:
         """Requests of `req`'s shape now in the steps that produce `step`'s inputs: they will
         likely reach `step`'s stage within moments (a burst of requests encoded in waves)."""
         if req.plan is None:
@@ -235,7 +183,9 @@ class RequestFlow:
         before = {p.name for name in step.consumes if (p := req.plan.producer(name)) is not None}
         return sum(self.in_step.get((req.shape, name), 0) for name in before)
 
-    async def _replica_for(self, req: _Request, step: PlanStep, near: str, tried: frozenset[str]) -> Replica:
+    async def _replica_for(
+        self, req: FlowRequest, step: PlanStep, near: str, tried: frozenset[str]
+    ) -> Replica:
         """The best healthy replica for `step`, not one this request lost already. With none,
         the request waits for one (a restarted replica registers again, a new one joins) for
         up to `replica_wait_s` within its deadline, and says so in a WaitingForReplica event;
@@ -269,7 +219,7 @@ class RequestFlow:
 
     async def _call(
         self,
-        req: _Request,
+        req: FlowRequest,
         step: PlanStep,
         replica: Replica,
         inputs: tensor_pb2.StageState,
@@ -289,7 +239,7 @@ class RequestFlow:
 
     async def _call_stage(
         self,
-        req: _Request,
+        req: FlowRequest,
         step: PlanStep,
         replica: Replica,
         inputs: tensor_pb2.StageState,
@@ -379,7 +329,7 @@ class RequestFlow:
         return result.output
 
     def _export_media(
-        self, req: _Request, step: PlanStep, request: stage_pb2.StageRequest, replica: Replica
+        self, req: FlowRequest, step: PlanStep, request: stage_pb2.StageRequest, replica: Replica
     ) -> list[str]:
         """Put the request inputs `step` consumes into our arena for `replica`; their leases."""
         names = [name for name in step.consumes if name.startswith(INPUT_PREFIX)]
@@ -396,7 +346,7 @@ class RequestFlow:
         return self.transport.lease_ids(exported)
 
     async def _on_step(
-        self, req: _Request, step: PlanStep, replica: Replica, progress: stage_pb2.StepProgress
+        self, req: FlowRequest, step: PlanStep, replica: Replica, progress: stage_pb2.StepProgress
     ) -> None:
         if progress.HasField("partial"):
             await self._on_partial(req, step, replica, progress.partial)
@@ -414,7 +364,7 @@ class RequestFlow:
             await req.emit(cpb.GenerateEvent(step=denoise))
 
     async def _keep_checkpoint(
-        self, req: _Request, step: PlanStep, replica: Replica, checkpoint: tensor_pb2.StageState
+        self, req: FlowRequest, step: PlanStep, replica: Replica, checkpoint: tensor_pb2.StageState
     ) -> None:
         """Make `checkpoint` the step's latest, held in this process's store (inline ones are
         here already), so that a request resumes after its replica's host memory is gone too.
@@ -437,7 +387,7 @@ class RequestFlow:
         req.checkpoints[step.name] = (holder, checkpoint)
 
     async def _on_partial(
-        self, req: _Request, step: PlanStep, replica: Replica, partial: tensor_pb2.StageState
+        self, req: FlowRequest, step: PlanStep, replica: Replica, partial: tensor_pb2.StageState
     ) -> None:
         """A chunk of a streaming step: kept for the steps that stream it in; its text and, from
         the result step, its audio go to the client."""
@@ -470,7 +420,7 @@ class RequestFlow:
 
     async def _send_result(
         self,
-        req: _Request,
+        req: FlowRequest,
         step: PlanStep,
         decoded: tensor_pb2.StageState,
         started: float,
@@ -508,223 +458,6 @@ class RequestFlow:
             )
         result.total_ms = (time.perf_counter() - started) * 1e3
         await emit(cpb.GenerateEvent(result=result))
-
-
-class PlanRun:
-    """One request's plan in flight: each step's output is produced once, on demand, by a task
-    that first awaits the outputs it consumes (so independent steps run concurrently)."""
-
-    def __init__(self, flow: RequestFlow, req: _Request, plan: Plan) -> None:
-        self.flow = flow
-        self.req = req
-        self.plan = plan
-        self._tasks: dict[str, asyncio.Task[StepOutput]] = {}
-        self._pinned: list[CachedOutput] = []
-        # Steps that read each step's output in this run (decided up front, cache hits
-        # included): when all of them have finished, the output's leases are released.
-        self._readers = self._count_readers()
-
-    async def result(self) -> StepOutput:
-        return await self._output(self.plan.result)
-
-    def close(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        for entry in self._pinned:
-            self.flow.cache.unpin(entry)
-        self._pinned.clear()
-
-    def _count_readers(self) -> dict[str, int]:
-        readers: dict[str, int] = {}
-        needed: set[str] = set()
-        stack = [self.plan.result]
-        while stack:
-            step = stack.pop()
-            if step.name in needed:
-                continue
-            needed.add(step.name)
-            if step.cache_key and self.flow.cache.peek(self._cache_key(step)):
-                continue
-            for producer in self._producers(step):
-                readers[producer.name] = readers.get(producer.name, 0) + 1
-                stack.append(producer)
-        return readers
-
-    def _producers(self, step: PlanStep) -> list[PlanStep]:
-        found: list[PlanStep] = []
-        for name in step.consumes:
-            producer = self.plan.producer(name)
-            if producer is not None and producer not in found:
-                found.append(producer)
-        return found
-
-    def _output(self, step: PlanStep) -> asyncio.Task[StepOutput]:
-        task = self._tasks.get(step.name)
-        if task is None:
-            task = self._tasks[step.name] = asyncio.ensure_future(self._produce_and_end(step))
-        return task
-
-    async def _produce_and_end(self, step: PlanStep) -> StepOutput:
-        """Produce `step`'s output; its stream (if it streams) ends with it, or fails with it."""
-        stream = self.req.stream(step.name)
-        try:
-            output = await (self._produce_streaming(step) if step.streamed else self._produce(step))
-        except Exception as err:
-            stream.fail(err)
-            raise
-        except asyncio.CancelledError:
-            stream.fail(Unavailable(f"request {self.req.request_id}: {step.name} was cancelled"))
-            raise
-        stream.end()
-        return output
-
-    def _wanted(self, step: PlanStep) -> list[str]:
-        """The outputs to ask of `step`: the image in the client's format from an image result."""
-        if step is self.plan.result and "image" in step.produces:
-            return self.flow.result_outputs(self.req.options)
-        return []
-
-    async def _produce_streaming(self, step: PlanStep) -> StepOutput:
-        """A step that takes an input as a stream: it starts once the stream's first chunk exists
-        (its producer runs meanwhile) and its other inputs are whole, and is fed the rest as it
-        comes. A stream is not produced again: one lost with its producer fails the request."""
-        source = self.plan.producer(step.streamed[0])
-        assert source is not None
-        stream = self.req.stream(source.name)
-        source_task = self._output(source)
-        whole = [p for p in self._producers(step) if p is not source]
-        outputs = list(await asyncio.gather(*(self._output(p) for p in whole)))
-        inputs = self._inputs(step, outputs)
-        if await stream.wait(1):
-            inputs.tensors.extend(stream.chunks[0].tensors)
-            inputs.meta.update(stream.chunks[0].meta)
-        near = self._near_host(outputs)
-        producer = self.flow.pool.by_address(stream.producer)
-        if producer is not None and producer.info is not None:
-            near = producer.info.host_id
-        then = next(iter(self.plan.consumers(step)), None)
-        output = await self.flow.run_step(
-            self.req, step, inputs, near=near, then=then, outputs=self._wanted(step), stream_in=stream
-        )
-        for o in [*outputs, await source_task]:
-            self._read_done(o)
-        return output
-
-    async def _produce(self, step: PlanStep) -> StepOutput:
-        cached = self._from_cache(step)
-        if cached is not None:
-            finished = cpb.StageFinished(stage=step.stage, step=step.name, cached=True)
-            await self.req.emit(cpb.GenerateEvent(stage_finished=finished))
-            return cached
-        for attempt in range(RECOMPUTES + 1):
-            outputs = await self._inputs_ready(step)
-            inputs = self._inputs(step, outputs)
-            near = self._near_host(outputs)
-            then = next(iter(self.plan.consumers(step)), None)
-            try:
-                output = await self.flow.run_step(
-                    self.req, step, inputs, near=near, then=then, outputs=self._wanted(step)
-                )
-            except NotFound:
-                lost = [o for o in outputs if self._lost(o)]
-                if not lost:  # a producer killed a moment ago may not be known dead yet
-                    alive = await asyncio.gather(*(self.flow.pool.probe(o.producer) for o in outputs))
-                    lost = [o for o, up in zip(outputs, alive, strict=True) if not up]
-                if not lost or attempt == RECOMPUTES:
-                    raise
-                names = ", ".join(o.step.name for o in lost)
-                log.warning(
-                    "request %s: inputs of %s are gone; producing %s again",
-                    self.req.request_id,
-                    step.name,
-                    names,
-                )
-                for o in lost:
-                    self._forget(o)
-                continue
-            self._store(step, output)
-            for o in outputs:
-                self._read_done(o)
-            return output
-        raise AssertionError("unreachable")
-
-    async def _inputs_ready(self, step: PlanStep) -> list[StepOutput]:
-        """The outputs `step` reads, produced again where one was already released (a step
-        that runs again after its inputs' readers had finished)."""
-        while True:
-            outputs = await asyncio.gather(*(self._output(p) for p in self._producers(step)))
-            released = [o for o in outputs if o.released]
-            if not released:
-                return list(outputs)
-            for output in released:
-                self._forget(output)
-
-    def _cache_key(self, step: PlanStep) -> str:
-        """The family's content key, within the model (other weights give other outputs)."""
-        return f"{self.req.params.model}|{step.name}|{step.cache_key}"
-
-    def _from_cache(self, step: PlanStep) -> StepOutput | None:
-        if not step.cache_key:
-            return None
-        entry = self.flow.cache.get(self._cache_key(step), step.name)
-        if entry is None:
-            return None
-        self._pinned.append(entry)
-        return StepOutput(step, entry.producer, entry.state, cached=entry)
-
-    def _store(self, step: PlanStep, output: StepOutput) -> None:
-        """A cacheable step's fresh output goes to the cache, which takes over its leases."""
-        if not step.cache_key:
-            return
-        entry = self.flow.cache.put(self._cache_key(step), step.name, output.producer, output.state)
-        if entry is not None:
-            self.req.leases.take(output.producer, output.state)
-            self._pinned.append(entry)
-            output.cached = entry
-
-    def _lost(self, output: StepOutput) -> bool:
-        """Whether an input may be gone: a cached one (its leases may have expired), one we
-        released, or one whose producer is no longer alive."""
-        return output.cached is not None or output.released or not self.flow.pool.is_alive(output.producer)
-
-    def _forget(self, output: StepOutput) -> None:
-        """Drop a lost output so the next demand produces it again."""
-        if output.cached is not None:
-            self.flow.cache.invalidate(output.cached)
-        elif not output.released:
-            self.req.leases.drop(output.producer, output.state)
-        self._tasks.pop(output.step.name, None)
-        self._readers.pop(output.step.name, None)  # released when the request ends
-
-    def _read_done(self, output: StepOutput) -> None:
-        """One reader of `output` finished; the last one releases its leases."""
-        name = output.step.name
-        if name not in self._readers:
-            return
-        self._readers[name] -= 1
-        if self._readers[name] == 0 and output.cached is None and not output.released:
-            output.released = True
-            self.req.leases.drop(output.producer, output.state)
-
-    def _inputs(self, step: PlanStep, outputs: list[StepOutput]) -> tensor_pb2.StageState:
-        """The handles of the tensors `step` consumes, gathered from their producers' outputs
-        (metadata merged in plan order); request inputs are added per call."""
-        state = tensor_pb2.StageState()
-        wanted = set(step.consumes)
-        for output in outputs:
-            state.meta.update(output.state.meta)
-            state.tensors.extend(ref for ref in output.state.tensors if ref.name in wanted)
-        return state
-
-    def _near_host(self, outputs: list[StepOutput]) -> str:
-        """The host of the largest input: where the next call should run if it can."""
-        best, host = -1, ""
-        for output in outputs:
-            size = sum(ref.nbytes for ref in output.state.tensors)
-            replica = self.flow.pool.by_address(output.producer)
-            if size > best and replica is not None and replica.info is not None:
-                best, host = size, replica.info.host_id
-        return host
 
 
 def _finished_with(inputs: tensor_pb2.StageState) -> int:
