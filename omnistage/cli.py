@@ -89,7 +89,6 @@ def _cluster_up(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-
     from omni_common.client import ResultBuilder
     from omni_common.errors import OmniError
 
