@@ -118,6 +118,7 @@ def run(args: argparse.Namespace, chaos: bool, log_dir: Path) -> dict[str, objec
         "failures": sorted(set(failures))[:5],
         "kills": len(kills),
         "restarts_failed": len(restart_failures),
+        "restart_failures": restart_failures[:3],
         "wall_s": round(wall_s, 1),
         "p50_ms": round(statistics.median(ordered), 1) if ordered else None,
         "p99_ms": round(ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else None,
