@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omni_common.errors import OmniError
 
 DEFAULT_MODEL_NAME = "qwen-image-tiny"
 
@@ -98,37 +103,34 @@ def _generate(args: argparse.Namespace) -> int:
             if args.wait_ready:
                 client.wait_ready(args.wait_ready, model=args.model)
             builder = ResultBuilder()
-            bars: dict[str, Any] = {}  # one tqdm bar per plan step that reports progress
-            for event in client.events(
-                args.prompt,
-                negative_prompt=args.negative_prompt,
-                width=args.width,
-                height=args.height,
-                steps=args.steps,
-                guidance=args.guidance,
-                seed=args.seed,
-                model=args.model,
-                image_format="png",
-                images=[Path(path) for path in args.image],
-                options=options,
-                loras=[_parse_lora(item) for item in args.lora],
-            ):
-                builder.add(event)
-                if event.HasField("step"):
-                    _advance(bars, "denoising", "step", event.step.step, event.step.total, args.quiet)
-                else:
-                    _show_event(bars, event, args.quiet)
-            for bar in bars.values():
-                bar.close()
+            with _progress_bars() as bars:
+                events = client.events(
+                    args.prompt,
+                    negative_prompt=args.negative_prompt,
+                    width=args.width,
+                    height=args.height,
+                    steps=args.steps,
+                    guidance=args.guidance,
+                    seed=args.seed,
+                    model=args.model,
+                    image_format="png",
+                    images=[Path(path) for path in args.image],
+                    options=options,
+                    loras=[_parse_lora(item) for item in args.lora],
+                )
+                for event in events:
+                    builder.add(event)
+                    if event.HasField("step"):
+                        _advance(bars, "denoising", "step", event.step.step, event.step.total, args.quiet)
+                    else:
+                        _show_event(bars, event, args.quiet)
             result = builder.build()
         except OSError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
         except OmniError as err:
-            print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
-            return 1
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+            return _failed(err)
+    out = _output_path(args)
     out.write_bytes(result.encoded)
     stages = ", ".join(f"{k} {v:.0f} ms" for k, v in result.stage_ms.items())
     print(
@@ -152,27 +154,46 @@ def _speak(args: argparse.Namespace) -> int:
             if args.wait_ready:
                 client.wait_ready(args.wait_ready, model=args.model)
             builder = ReplyBuilder(time.perf_counter())
-            bars: dict[str, Any] = {}
-            for event in client.stream(request, args.timeout):
-                piece = builder.add(event, time.perf_counter())
-                if isinstance(piece, SpeechChunk):
-                    heard = round((piece.offset + len(piece.samples)) / piece.sample_rate)
-                    _advance(bars, "speech", "s", heard, 0, args.quiet)
-                else:
-                    _show_event(bars, event, args.quiet)
-            for bar in bars.values():
-                bar.close()
+            with _progress_bars() as bars:
+                for event in client.stream(request, args.timeout):
+                    piece = builder.add(event, time.perf_counter())
+                    if isinstance(piece, SpeechChunk):
+                        heard = round((piece.offset + len(piece.samples)) / piece.sample_rate)
+                        _advance(bars, "speech", "s", heard, 0, args.quiet)
+                    else:
+                        _show_event(bars, event, args.quiet)
             reply = builder.build()
         except OmniError as err:
-            print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
-            return 1
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+            return _failed(err)
+    out = _output_path(args)
     reply.save(out)
     first = f", first audio after {reply.first_audio_ms:.0f} ms" if reply.first_audio_ms is not None else ""
     print(reply.text)
     print(f"saved {out.resolve()} ({reply.seconds:.2f} s of speech, {reply.total_ms:.0f} ms{first})")
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bars() -> Iterator[dict[str, Any]]:
+    """One tqdm bar per plan step that reports progress, made on first use (`_advance`) and
+    closed when the request ends, however it ends."""
+    bars: dict[str, Any] = {}
+    try:
+        yield bars
+    finally:
+        for bar in bars.values():
+            bar.close()
+
+
+def _failed(err: OmniError) -> int:
+    print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+    return 1
+
+
+def _output_path(args: argparse.Namespace) -> Path:
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def _show_event(bars: dict[str, Any], event: Any, quiet: bool) -> None:
@@ -329,6 +350,22 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_request_args(parser: argparse.ArgumentParser) -> None:
+    """What every generation request takes from the command line (images and speech alike)."""
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a model family option (repeatable); `omnistage models` lists them",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--wait-ready", type=float, default=0.0, help="wait this long for the cluster")
+    parser.add_argument("--quiet", action="store_true")
+
+
 def _client(args: argparse.Namespace, timeout: float | None) -> Any:
     from omni_common.client import Client
 
@@ -394,24 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="input image (repeatable), for models that take them: GLM-Image edits",
     )
     gen.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a model family option (repeatable); `omnistage models` lists them",
-    )
-    gen.add_argument(
         "--lora",
         action="append",
         default=[],
         metavar="NAME[:SCALE]",
         help="a LoRA adapter of the DiT (repeatable, applied in order); `omnistage lora list` names them",
     )
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--model", default="")
-    gen.add_argument("--timeout", type=float, default=600.0)
-    gen.add_argument("--wait-ready", type=float, default=0.0, help="wait this long for the cluster")
-    gen.add_argument("--quiet", action="store_true")
+    _add_request_args(gen)
     gen.set_defaults(func=_generate)
 
     speak = sub.add_parser("speak", help="chat with a speaking model (Qwen2.5-Omni): text out, WAV file")
@@ -419,14 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     speak.add_argument("-o", "--output", default="reply.wav")
     _add_client_args(speak)
     speak.add_argument("--speaker", default=None, help="the voice (default: the model's first, Chelsie)")
-    speak.add_argument(
-        "--option", action="append", default=[], metavar="NAME=VALUE", help="a model family option"
-    )
-    speak.add_argument("--seed", type=int, default=0)
-    speak.add_argument("--model", default="")
-    speak.add_argument("--timeout", type=float, default=600.0)
-    speak.add_argument("--wait-ready", type=float, default=0.0, help="wait this long for the cluster")
-    speak.add_argument("--quiet", action="store_true")
+    _add_request_args(speak)
     speak.set_defaults(func=_speak)
 
     health = sub.add_parser("health", help="exit 0 when the service at ADDRESS is serving")
