@@ -12,7 +12,8 @@ Paths, on the same inputs:
 - "static compile": the same blocks compiled for each shape alone, as a diffusers user's
   `compile_repeated_blocks(fullgraph=True)` does for one shape.
 Also times the parts: building the weights, the modulation layers of one step (120 matrix-vector
-products over 6.8 B parameters that depend on the timestep only), and joint attention by kernel.
+products over 6.8 B parameters that depend on the timestep only), and joint attention by kernel
+(SDPA's backends, and flex_attention compiled).
 Prints one JSON line per row.
 """
 
@@ -120,11 +121,21 @@ def attention_rows(size: int, batch: int, heads: int, head_dim: int) -> None:
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
             row: dict[str, object] = {"attention": name, "masked": masked, "size": size, "batch": batch}
-            try:
-                ms = timed_ms(run, 20)[0]
-                emit({**row, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
-            except RuntimeError as err:
-                emit({**row, "error": str(err)[:200]})
+            attention_row(row, run, flops)
+    # Inductor's own attention kernel (Triton), unmasked: the one other kernel the image has.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention)
+    row = {"attention": "flex, compiled", "masked": False, "size": size, "batch": batch}
+    attention_row(row, lambda: flex(q, k, v), flops)
+
+
+def attention_row(row: dict[str, object], run: Callable[[], torch.Tensor], flops: int) -> None:
+    try:
+        ms = timed_ms(run, 20)[0]
+        emit({**row, "ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)})
+    except RuntimeError as err:
+        emit({**row, "error": str(err)[:200]})
 
 
 def main() -> None:

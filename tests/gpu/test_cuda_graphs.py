@@ -150,6 +150,32 @@ def test_a_whole_denoise_with_graphs_matches_eager(tiny_model: Path, denoiser) -
     assert len(denoiser.graphed.cache) >= 1
 
 
+def test_a_step_cached_request_replays_its_later_blocks_and_matches_eager(tiny_model: Path) -> None:
+    """The GPU default (compiled blocks, graphs, packed modulation rows) with the step cache:
+    block 0 runs apart, the later blocks replay as a graph of their own, and the latents are
+    the eager run's (the same steps reused)."""
+    encoder = QwenImageEncoder.load(tiny_model, DEVICE, torch.float32)
+    plain = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32)
+    options = DenoiserOptions(cuda_graphs=True, compile=True)
+    compiled = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
+    request = GenerationRequest(
+        prompt="a cat", width=64, height=64, num_inference_steps=6, seed=3, options=(("step_cache", "1.0"),)
+    )
+    (embeds,) = encoder.encode([request])
+
+    def run(runner) -> tuple[StageState, int]:
+        state = runner.prepare(request, embeds)
+        while not runner.is_done(state):
+            runner.step([state])
+        reused = state.step_cache.cached_steps
+        return runner.finish(state), reused
+
+    (got, got_reused), (expected, expected_reused) = run(compiled), run(plain)
+    torch.testing.assert_close(got.tensors["latents"], expected.tensors["latents"], atol=1e-4, rtol=0)
+    assert got_reused == expected_reused == 4  # all but the first and the last step
+    assert any(key[0] == "step-cache-later-blocks" for key in compiled.graphed.cache._graphs)
+
+
 def test_compiled_blocks_replayed_as_graphs_match_eager(tiny_model: Path) -> None:
     """The GPU default (--compile auto, --cuda-graphs auto): compiled blocks inside a graph."""
     options = DenoiserOptions(cuda_graphs=True, compile=True)

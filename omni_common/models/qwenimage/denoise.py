@@ -293,8 +293,9 @@ class QwenImageDenoiser(LatentSteps):
 
     def batch_key(self, state: StepState) -> Hashable:
         request = state.request
-        # Cached steps run eagerly: they never batch with uncached ones (which keep their CUDA
-        # graphs); thresholds may differ within a batch, the decision is per request.
+        # Cached steps run block 0 apart from the rest: they never batch with uncached ones
+        # (which replay the whole forward's CUDA graphs); thresholds may differ within a batch,
+        # the decision is per request.
         cached = step_cache_threshold(request) > 0
         return (
             request.height,
@@ -433,12 +434,13 @@ class QwenImageDenoiser(LatentSteps):
         Every request computes its last step: nothing after it would correct a reused tail's
         error, and that step's prediction is the final image's last detail."""
         batch = self._batch_inputs(states)
-        inputs = forward_inputs(batch.latents, batch.timestep, batch.embeds.to(self.dtype), batch.mask)
+        embeds = batch.embeds.to(self.dtype)
+        inputs = forward_inputs(batch.latents, batch.timestep, embeds, batch.mask, batch.modulation)
         caches = [state.step_cache for state in states if state.step_cache is not None]
         if len(caches) != len(states):
             raise ValueError("step() got states with and without a step cache")  # the batch key differs
         last = [state.step_index == state.total_steps - 1 for state in states]
-        noise_preds = cached_forward(self.transformer, inputs, batch.img_shapes, caches, last)
+        noise_preds = cached_forward(self.transformer, inputs, batch.img_shapes, caches, last, self.graphed)
         self._batch_steps(states, noise_preds, batch.ts)
 
     def _batch_inputs(self, states: list[QwenImageDenoiseState], branch: str = "both") -> BatchInputs:

@@ -36,6 +36,8 @@ TEXT_ALIGN = 8  # masked graphs pad prompts to a multiple of this many tokens
 ImgShapes = list[list[tuple[int, int, int]]]
 # The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
 Forward = Callable[[QwenImageTransformer2DModel, Inputs, ImgShapes], torch.Tensor]
+# A piece of that forward on named inputs (the step cache's later blocks, step_cache.py).
+Part = Callable[[Inputs, ImgShapes], torch.Tensor]
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -63,12 +65,18 @@ def padded_inputs(
         if mask is None:
             mask = torch.ones((rows, length), dtype=torch.long, device=embeds.device)
         padded["mask"] = F.pad(mask.to(torch.long), (0, text - length))
-    if batch > rows:
-        padded = {
-            name: torch.cat([value, value[:1].expand(batch - rows, *value.shape[1:])])
-            for name, value in padded.items()
-        }
-    return padded
+    return pad_rows(padded, batch)
+
+
+def pad_rows(inputs: Inputs, batch: int) -> Inputs:
+    """`inputs` (equal row counts) with their first row repeated up to `batch` rows."""
+    rows = next(iter(inputs.values())).shape[0]
+    if batch <= rows:
+        return inputs
+    return {
+        name: torch.cat([value, value[:1].expand(batch - rows, *value.shape[1:])])
+        for name, value in inputs.items()
+    }
 
 
 class GraphKey(NamedTuple):
@@ -183,6 +191,28 @@ class GraphedTransformer:
 
         output = self.cache.run(key.graph, inputs, run, decision_key=key.decision)
         return None if output is None else output[:rows]
+
+    def replay_part(
+        self, name: str, inputs: Inputs, img_shapes: ImgShapes, text: int, part: Part
+    ) -> torch.Tensor | None:
+        """`part(inputs, img_shapes)`, a piece of the forward on unmasked inputs whose rows
+        share one image shape and one prompt length of `text` tokens, as a graph of its own
+        (`name` keeps its keys apart from the whole forward's): rows padded to the next batch
+        bucket; whether a replay pays is timed once per text bucket, as for the forward. None
+        where no bucket holds the rows or a replay does not pay: the caller runs `part`."""
+        first = next(iter(inputs.values()))
+        batch, text_bucket = bucket(first.shape[0], BATCH_BUCKETS), bucket(text, TEXT_BUCKETS)
+        if batch is None or text_bucket is None:
+            return None
+        decision = (name, batch, text_bucket, img_shapes[0][0], first.dtype)
+        padded_shapes = [img_shapes[0]] * batch
+
+        def run(static: Inputs) -> torch.Tensor:
+            with capturable_text_mask():
+                return part(static, padded_shapes)
+
+        output = self.cache.run((*decision, text), pad_rows(inputs, batch), run, decision_key=decision)
+        return None if output is None else output[: first.shape[0]]
 
     def time_bucket(
         self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype, *, masked: bool

@@ -15,6 +15,7 @@ from omni_common.models.base import GenerationRequest
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.modulation import ModulationCache
+from omni_common.models.qwenimage.step_cache import StepCache, cached_forward
 
 from .conftest import CPU
 from .test_qwenimage_batching import ATOL, LONG, SHORT, denoise
@@ -30,8 +31,12 @@ def runners(tiny_model: Path):
     return encoder, plain, packed
 
 
+STEP_CACHED = (("step_cache", "1.0"),)  # reuses steps 2 and 3 of 4 on the tiny model
+
+
+@pytest.mark.parametrize("options", [(), STEP_CACHED], ids=["plain", "step-cached"])
 @pytest.mark.parametrize("cfg", [1.0, 4.0])
-def test_packed_modulation_gives_the_plain_latents(runners, cfg: float) -> None:
+def test_packed_modulation_gives_the_plain_latents(runners, cfg: float, options) -> None:
     encoder, plain, packed = runners
     requests = [
         GenerationRequest(
@@ -42,6 +47,7 @@ def test_packed_modulation_gives_the_plain_latents(runners, cfg: float) -> None:
             num_inference_steps=4,
             seed=i,
             true_cfg_scale=cfg,
+            options=options,
         )
         for i, p in enumerate([SHORT, LONG])
     ]
@@ -53,17 +59,21 @@ def test_packed_modulation_gives_the_plain_latents(runners, cfg: float) -> None:
             torch.testing.assert_close(g.tensors["latents"], e.tensors["latents"], atol=ATOL, rtol=0)
 
 
-def test_the_packed_forward_reads_the_rows_not_the_timestep(runners) -> None:
+def step_cached_forward(transformer, inputs, img_shapes) -> torch.Tensor:
+    """The step cache's forward of one request's rows, computing every block."""
+    return cached_forward(transformer, inputs, img_shapes, [StepCache(1.0)], [True])
+
+
+@pytest.mark.parametrize("forward", [transformer_forward, step_cached_forward], ids=["plain", "step-cached"])
+def test_the_packed_forward_reads_the_rows_not_the_timestep(runners, forward) -> None:
     """The check above can fail: packed rows of another timestep change the output."""
     _, _, packed = runners
     plain_inputs, img_shapes = inputs(packed, 2, [5, 7])
     cache = packed.modulation
     rows = cache.table(("test", 900, 100), torch.tensor([900.0, 100.0]), torch.float32)
     with torch.inference_mode():
-        expected = transformer_forward(packed.transformer, plain_inputs, img_shapes)  # timesteps 900, 500
-        same = transformer_forward(
-            packed.transformer, {**plain_inputs, "modulation": rows[:1].expand(2, -1)}, img_shapes
-        )
+        expected = forward(packed.transformer, plain_inputs, img_shapes)  # timesteps 900, 500
+        same = forward(packed.transformer, {**plain_inputs, "modulation": rows[:1].expand(2, -1)}, img_shapes)
     assert (same[1] - expected[1]).abs().max() > 1e-3  # row 1 got 900's rows, not 500's
     torch.testing.assert_close(same[0], expected[0], atol=ATOL, rtol=0)
 
