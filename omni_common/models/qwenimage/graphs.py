@@ -193,26 +193,38 @@ class GraphedTransformer:
         return None if output is None else output[:rows]
 
     def replay_part(
-        self, name: str, inputs: Inputs, img_shapes: ImgShapes, text: int, part: Part
+        self, name: str, inputs: Inputs, img_shapes: ImgShapes, part: Part, text_input: str = "encoder"
     ) -> torch.Tensor | None:
-        """`part(inputs, img_shapes)`, a piece of the forward on unmasked inputs whose rows
-        share one image shape and one prompt length of `text` tokens, as a graph of its own
-        (`name` keeps its keys apart from the whole forward's): rows padded to the next batch
-        bucket; whether a replay pays is timed once per text bucket, as for the forward. None
-        where no bucket holds the rows or a replay does not pay: the caller runs `part`."""
-        first = next(iter(inputs.values()))
-        batch, text_bucket = bucket(first.shape[0], BATCH_BUCKETS), bucket(text, TEXT_BUCKETS)
-        if batch is None or text_bucket is None:
+        """`part(inputs, img_shapes)`, a piece of the forward whose rows share one image shape,
+        as a graph of its own (`name` keeps its keys apart from the whole forward's), bucketed
+        as the forward is: rows padded to the next batch bucket; the text stream `text_input`
+        [rows, tokens, dim] at its own length, or, with a "mask" [rows, tokens] (valid tokens
+        true), padded with zeros masked out to the next multiple of TEXT_ALIGN (`part` gets an
+        int64 mask). None where no bucket holds the rows or a replay does not pay: the caller
+        runs `part` itself."""
+        rows, length = inputs[text_input].shape[:2]
+        masked = "mask" in inputs
+        key = graph_key(rows, img_shapes[0][0], length, masked, inputs[text_input].dtype, modulated=False)
+        if key is None:
             return None
-        decision = (name, batch, text_bucket, img_shapes[0][0], first.dtype)
-        padded_shapes = [img_shapes[0]] * batch
+        if masked:
+            pad = key.text - length
+            inputs = {
+                **inputs,
+                text_input: F.pad(inputs[text_input], (0, 0, 0, pad)),
+                "mask": F.pad(inputs["mask"].to(torch.long), (0, pad)),
+            }
+        padded_shapes = [img_shapes[0]] * key.batch
 
         def run(static: Inputs) -> torch.Tensor:
             with capturable_text_mask():
                 return part(static, padded_shapes)
 
-        output = self.cache.run((*decision, text), pad_rows(inputs, batch), run, decision_key=decision)
-        return None if output is None else output[: first.shape[0]]
+        decision = (name, *key.decision)
+        output = self.cache.run(
+            (*decision, key.text), pad_rows(inputs, key.batch), run, decision_key=decision
+        )
+        return None if output is None else output[:rows]
 
     def time_bucket(
         self, rows: int, img_shape: tuple[int, int, int], text: int, dtype: torch.dtype, *, masked: bool

@@ -17,8 +17,9 @@ tests/unit/models/test_qwenimage_step_cache.py pins it).
 Costs: the decision reads the distances on the host, one small device sync per step (the
 host waits for block 0, so the step scheduler's launch-ahead overlap is lost on these steps).
 Block 0 runs apart from the later blocks, which replay as a CUDA graph of their own where a
-GPU stage keeps graphs and the rows' prompts are unmasked (GraphedTransformer.replay_part):
-the rows that run them change from step to step, so the whole forward's graphs do not serve.
+GPU stage keeps graphs (GraphedTransformer.replay_part, bucketed and padded as the forward's
+graphs are): the rows that run them change from step to step, so the whole forward's graphs
+do not serve.
 That is why the cache is a batch key: uncached requests keep theirs.
 Measured on one H100 (Qwen-Image's DiT at full size with random weights, 60 blocks, bf16,
 1024x1024, eager): a computed step 182 ms, as the plain forward; a reused one 5.0 ms.
@@ -165,19 +166,22 @@ def _later_blocks(
     graphs: GraphedTransformer | None,
 ) -> torch.Tensor:
     """Blocks 1..N-1's image stream from block 0's streams `after0`: replayed as a graph of
-    their own where `graphs` keeps graphs and the prompts are unmasked, else run as they are."""
+    their own where `graphs` keeps graphs (padded prompts, as the forward's graphs pad them),
+    else run as they are."""
     blocks = len(transformer.transformer_blocks)
-    if graphs is not None and after0.mask is None:
+    if graphs is not None:
         streams = {"hidden": after0.hidden, "encoder": after0.encoder, "temb": after0.temb}
+        if after0.mask is not None:
+            streams["mask"] = after0.mask
 
         def part(static: Inputs, shapes: ImgShapes) -> torch.Tensor:
             text = static["encoder"].shape[1]
             rope = transformer.pos_embed(shapes, max_txt_seq_len=text, device=static["hidden"].device)
-            pre = _Preamble(static["hidden"], static["encoder"], None, static["temb"], rope)
+            mask = static["mask"].to(torch.bool) if "mask" in static else None
+            pre = _Preamble(static["hidden"], static["encoder"], mask, static["temb"], rope)
             return _blocks(transformer, 1, blocks, pre)[1]
 
-        text = after0.encoder.shape[1]
-        replayed = graphs.replay_part("step-cache-later-blocks", streams, img_shapes, text, part)
+        replayed = graphs.replay_part("step-cache-later-blocks", streams, img_shapes, part)
         if replayed is not None:
             return replayed
     return _blocks(transformer, 1, blocks, after0)[1]
