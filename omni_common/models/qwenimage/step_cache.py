@@ -232,7 +232,9 @@ def cached_forward(
     hits = _hits(first_residual, caches, compute)
     missing = [row for row in range(rows) if not hits[row % n]]
     after0 = _Preamble(hidden0, encoder0, pre.mask, pre.temb, pre.rope)
-    if len(missing) == rows:  # no selection: bitwise the plain forward
+    # No selection: bitwise the plain forward (eagerly; on an H200 the graphed later blocks gave
+    # the uncached request's image bit for bit, docs/benchmarks.md).
+    if len(missing) == rows:
         hidden = _later_blocks(transformer, after0, img_shapes, graphs)
         tail_residual = hidden - hidden0
     else:
