@@ -1,9 +1,10 @@
 """The headline: the split cluster on one GPU against diffusers' QwenImagePipeline in one
 process at its best setting (transformer.compile_repeated_blocks(fullgraph=True), warmed up),
-Qwen-Image at real size (random bf16 weights), same weights, prompt, seed and steps.
+Qwen-Image at real size (random bf16 weights), same weights, prompt, seed and steps (no CFG
+unless `--guidance` is above 1).
 
     omnistage fixture /tmp/qwen-image-full --random-weights full
-    python benchmarks/gpu_headline.py --model /tmp/qwen-image-full [--sizes 1024 512]
+    python benchmarks/gpu_headline.py --model /tmp/qwen-image-full [--sizes 1024 512] [--guidance 4]
 
 Both sides do not fit on one GPU at once, so they run one after the other in this run:
 1. the cluster, cold (coordinator and three stage processes, real gRPC on loopback, an empty
@@ -149,8 +150,12 @@ def cluster_plan(args: argparse.Namespace, cache: Path) -> tuple[list[Any], int]
     return plan, metrics_port
 
 
+NEGATIVE = "blurry, low quality"  # the negative prompt of both sides with --guidance above 1
+
+
 def options_for(args: argparse.Namespace, size: int) -> dict[str, Any]:
-    return {"width": size, "height": size, "steps": args.steps, "guidance": 1.0}
+    options = {"width": size, "height": size, "steps": args.steps, "guidance": args.guidance}
+    return {**options, "negative_prompt": NEGATIVE} if args.guidance > 1 else options
 
 
 def run_cluster(args: argparse.Namespace, log_dir: Path, cache: Path) -> Side:
@@ -343,7 +348,8 @@ def run_diffusers(args: argparse.Namespace) -> Side:
             width=size,
             height=size,
             num_inference_steps=args.steps,
-            true_cfg_scale=1.0,
+            negative_prompt=[NEGATIVE] * batch if args.guidance > 1 else None,
+            true_cfg_scale=args.guidance,
             generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch)],
             output_type="pt",
         ).images
@@ -453,6 +459,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 512])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=1.0,
+        help="true CFG scale of both sides; above 1 both take a negative prompt (two forwards a step)",
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--device", default="cuda:0", help="cpu only to try the script on a tiny model")
@@ -490,6 +502,7 @@ def main() -> None:
     summary: dict[str, object] = {
         "device": device_name(args.device),
         "steps": args.steps,
+        "guidance": args.guidance,
         "batch_window_ms": args.batch_window_ms,
     }
     for size in args.sizes:
