@@ -63,7 +63,8 @@ class Thinker(SlotGenerator):
         dtype: torch.dtype,
         max_slots: int = MAX_SLOTS,
     ) -> None:
-        super().__init__(model.model, device, dtype, max_slots)
+        # The text decoder: `model.model` up to transformers 5.20, `model.model.language_model` after.
+        super().__init__(model.get_decoder(), device, dtype, max_slots)
         self.model = model
         self.tokenizer = tokenizer
         self.speakers = speakers
