@@ -64,3 +64,13 @@ def no_segment_left_behind() -> Iterator[None]:
     sweep_stale_segments()
     leaked = left - omnistage_segments() if left else set()
     assert not leaked, f"dead processes left shared-memory segments: {sorted(leaked)}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`scripts/test.sh vllm` sets OMNISTAGE_VLLM_REQUIRED: there a vLLM that does not import is a
+    failure, not a reason to skip the backend's tests."""
+    if os.environ.get("OMNISTAGE_VLLM_REQUIRED") == "1":
+        from omni_common.models.qwenimage.vllm_encoder import vllm_available
+
+        if not vllm_available():
+            raise pytest.UsageError("OMNISTAGE_VLLM_REQUIRED=1 but vLLM does not import in this environment")
