@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -40,6 +41,7 @@ from services.gateway.protocol import (
     parse_json,
 )
 from services.gateway.serving import (
+    FramingGuard,
     GatewayState,
     Served,
     WatchedStream,
@@ -167,6 +169,7 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/v1/chat/completions", guarded(speech_routes.chat), methods=["POST"]),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(FramingGuard)],
     )
     app.state.gateway = state
     return app

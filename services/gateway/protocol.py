@@ -119,6 +119,8 @@ def blame(err: OmniError, fields: tuple[tuple[str, str], ...]) -> OmniError:
 def error_body(err: OmniError) -> tuple[int, dict[str, Any], dict[str, str]]:
     """The HTTP status, OpenAI's error object and headers (Retry-After on 429) for `err`."""
     status, kind = HTTP_STATUS.get(err.code, (500, "server_error"))
+    if getattr(err, "http_status", None) == 408:  # a client too slow to send its body
+        status, kind = 408, "invalid_request_error"
     headers = {}
     retry_after_ms = getattr(err, "retry_after_ms", None)
     if status == 429:

@@ -28,6 +28,13 @@ from services.gateway.protocol import MAX_BODY_BYTES, BadField, error_body
 log = logging.getLogger("omnistage.gateway")
 
 T = TypeVar("T")
+BODY_TIMEOUT_S = 30.0  # a request's whole body, once its headers came
+
+
+class BodyTimeout(OmniError):
+    """The body did not arrive in time: 408 (the client was too slow, not the server)."""
+
+    http_status = 408
 
 
 @dataclass
@@ -94,11 +101,35 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES, param: str | 
     if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise BadField(param, too_big) if param else InvalidArgument(too_big)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BadField(param, too_big) if param else InvalidArgument(too_big)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise BadField(param, too_big) if param else InvalidArgument(too_big)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s") from None
     return bytes(body)
+
+
+class FramingGuard:
+    """ASGI middleware: a request with both Content-Length and Transfer-Encoding is refused and
+    its connection closed (RFC 9112 section 6.1): a proxy before the gateway may have framed it the
+    other way, and what follows it on the connection could be a smuggled request."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name for name, _ in scope["headers"]}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                err = InvalidArgument("a request may not carry both Content-Length and Transfer-Encoding")
+                response = error_response(err)
+                response.headers["connection"] = "close"  # uvicorn closes after this response
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def guarded(route: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
