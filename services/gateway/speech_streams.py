@@ -146,7 +146,14 @@ async def chat_sse(primed: Primed, job: ChatJob) -> AsyncIterator[bytes]:
                 yield data({"content": event.text.text})
             elif kind == "audio":
                 chunk = base64.b64encode(event.audio.data).decode()
-                yield data({"audio": {"id": audio_id, "data": chunk, "transcript": ""}})
+                # sample_rate: omnistage's (OpenAI's pcm16 is 24 kHz; a model may differ).
+                audio = {
+                    "id": audio_id,
+                    "data": chunk,
+                    "transcript": "",
+                    "sample_rate": event.audio.sample_rate,
+                }
+                yield data({"audio": audio})
             elif kind == "result":
                 last = chat_chunk(cid, job.model, {}, finish="stop")
                 last["first_audio_ms"] = primed.first_audio_ms

@@ -23,6 +23,7 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc
 
 MODEL = "qwen2.5-omni-scripted"
+EDITOR = "image-editor-scripted"
 SPEAKERS = ("Chelsie", "Ethan")
 SAMPLE_RATE = 24_000
 CHUNK_SAMPLES = 4_800  # 0.2 s
@@ -118,7 +119,16 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
             name=MODEL, family="qwen2.5-omni", inputs=["text"], outputs=["text", "audio"], ready=True
         )
         info.options.add(name="speaker", type="str", default_value="Chelsie")
-        return cpb.ListModelsResponse(models=[info])
+        # An image editor as well (the script inverts the input), for the page's edit tab.
+        editor = cpb.ModelInfo(
+            name=EDITOR,
+            family="glm-image",
+            inputs=["text", "image"],
+            outputs=["image"],
+            max_images=4,
+            ready=True,
+        )
+        return cpb.ListModelsResponse(models=[info, editor])
 
 
 async def serve_scripted(coordinator: ScriptedCoordinator) -> tuple[grpc.aio.Server, str]:

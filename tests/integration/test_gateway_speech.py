@@ -28,7 +28,7 @@ from PIL import Image
 from omni_common.client import Client
 
 from .conftest import InProcessGateway
-from .scripted_coordinator import MODEL, ScriptedCoordinator, serve_scripted
+from .scripted_coordinator import EDITOR, MODEL, ScriptedCoordinator, serve_scripted
 
 PROMPT = "Tell me a short story."
 CHELSIE = {"voice": "Chelsie", "format": "pcm16"}
@@ -271,8 +271,10 @@ def test_hostile_speech_and_chat_bodies_are_400_with_the_field_named(scripted, r
 
 
 def test_models_say_what_they_take_and_return(scripted) -> None:  # type: ignore[no-untyped-def]
-    (model,) = client_of(scripted).models.list().data
-    extra = model.model_extra or {}
+    models = {model.id: model for model in client_of(scripted).models.list().data}
+    extra = models[MODEL].model_extra or {}
     assert extra["outputs"] == ["text", "audio"] and extra["inputs"] == ["text"]
     assert extra["endpoints"] == ["/v1/chat/completions", "/v1/audio/speech"]
     assert [option["name"] for option in extra["options"]] == ["speaker"]
+    editor = models[EDITOR].model_extra or {}
+    assert editor["endpoints"] == ["/v1/images/generations", "/v1/images/edits"] and editor["max_images"] == 4
