@@ -138,3 +138,18 @@ async def serve_scripted(coordinator: ScriptedCoordinator) -> tuple[grpc.aio.Ser
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+async def _serve_forever(port: int) -> None:
+    server = grpc.aio.server()
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(ScriptedCoordinator(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print(f"scripted coordinator ready on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":  # for benchmarks/gateway.py --speech --coordinator (the gateway's cost alone)
+    import sys
+
+    asyncio.run(_serve_forever(int(sys.argv[1])))
