@@ -1,8 +1,10 @@
 """Qwen2.5-Omni through the HTTP gateway with OpenAI's own Python client: streamed speech
 decodes (the standard library's `wave`) and equals the SDK's reply within PCM16 rounding;
 streamed chat's text and audio deltas add up to the non-streamed reply; the first audio
-arrives before the last text; a client that leaves mid-speech frees every lease; hostile
-bodies are 4xx with the field named."""
+arrives before the last text; a client that leaves mid-speech frees every lease; an unknown
+voice is 400 about `voice`. (test_gateway_speech.py pins the translation itself, hostile bodies
+included, over a scripted coordinator; this file needs the tiny Qwen2.5-Omni fixture to load,
+as tests/integration/test_qwen_omni.py does.)"""
 
 from __future__ import annotations
 
@@ -166,40 +168,12 @@ def test_a_client_that_leaves_mid_speech_frees_every_lease(omni, gateway) -> Non
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(
-    ("route", "body", "param"),
-    [
-        ("speech", {"input": PROMPT, "voice": "Nobody"}, "voice"),
-        ("speech", {"input": "", "voice": "Chelsie"}, "input"),
-        ("speech", {"input": "   ", "voice": "Chelsie"}, "input"),
-        ("speech", {"input": PROMPT, "response_format": "mp3"}, "response_format"),
-        ("speech", {"input": PROMPT, "speed": 1.5}, "speed"),
-        ("speech", {"input": "\ud800"}, "input"),
-        ("speech", {"input": PROMPT, "options": {"nope": 1}}, "options"),
-        (
-            "chat",
-            {
-                "messages": [{"role": "user", "content": PROMPT}],
-                "modalities": ["text", "audio"],
-                "audio": {"voice": "Nobody", "format": "wav"},
-            },
-            "audio.voice",
-        ),
-        ("chat", {"messages": []}, "messages"),
-        ("chat", {"messages": [{"role": "system", "content": "x"}]}, "messages"),
-        ("chat", {"messages": [{"role": "user", "content": PROMPT}], "n": 2}, "n"),
-        ("chat", {"messages": [{"role": "user", "content": PROMPT}], "modalities": ["audio"]}, "modalities"),
-    ],
-)
-def test_hostile_speech_and_chat_bodies_are_400_with_the_field_named(gateway, route, body, param) -> None:  # type: ignore[no-untyped-def]
-    path = "/v1/audio/speech" if route == "speech" else "/v1/chat/completions"
-    # json.dumps escapes "\ud800" as JSON allows (httpx's own encoder would refuse to send it).
-    content = json.dumps({**body, "options": body.get("options", CAPS)}).encode()
-    response = httpx.post(f"{gateway.url}{path}", content=content, timeout=60)
+def test_an_unknown_voice_is_400_about_voice_from_the_thinkers_check(gateway) -> None:  # type: ignore[no-untyped-def]
+    body = {"input": PROMPT, "voice": "Nobody", "options": CAPS}
+    response = httpx.post(f"{gateway.url}/v1/audio/speech", json=body, timeout=60)
     assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
-    assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
+    assert response.json()["error"]["param"] == "voice"
+    assert "unknown speaker" in response.json()["error"]["message"]
 
 
 def test_models_say_what_they_take_and_return(gateway) -> None:  # type: ignore[no-untyped-def]
