@@ -100,6 +100,8 @@ def _options(doc: dict[str, Any], name: str = "options") -> dict[str, str]:
         if isinstance(item, bool) or not isinstance(item, (str, int, float)):
             what = f"option {text_field(name, key)[:64]!r}"
             raise BadField(name, f"{what} must be a string or number, not {shown(item)}")
+        if key == "audio":  # the route says whether the reply is spoken (speech; modalities)
+            raise BadField(name, "option audio is the route's: use modalities (chat) or /v1/audio/speech")
         options[text_field(name, key)] = text_field(name, str(item))
     return options
 

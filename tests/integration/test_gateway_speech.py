@@ -245,6 +245,7 @@ def test_hostile_edits_are_400_with_the_field_named(scripted, case, param) -> No
         ("speech", {"input": "\ud800"}, "input"),
         ("speech", {"input": PROMPT, "model": "\udfff"}, "model"),
         ("speech", {"input": PROMPT, "options": [1]}, "options"),
+        ("speech", {"input": PROMPT, "options": {"audio": 0}}, "options"),
         ("chat", chat_args(modalities=["text", "audio"], audio={"voice": "Nobody"}), "audio.voice"),
         ("chat", chat_args(modalities=["text", "audio"]), "audio"),
         (
