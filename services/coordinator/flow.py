@@ -407,6 +407,10 @@ class RequestFlow:
             samples = tensors["audio"].to(torch.float32).view(-1).clone()
         finally:
             req.leases.drop(replica.address, partial)
+        await self._send_audio(req, samples, meta)
+
+    async def _send_audio(self, req: FlowRequest, samples: torch.Tensor, meta: dict[str, str]) -> None:
+        """The next AudioChunk of the reply: `samples` (flat float32) in the client's format."""
         chunk = cpb.AudioChunk(
             index=req.audio_chunks,
             sample_rate=int(meta.get("sample_rate", "0")),
@@ -428,6 +432,15 @@ class RequestFlow:
         options, emit = req.options, req.emit
         if "image" not in step.produces:  # a reply: its text and audio went out in chunks
             kind = "audio" if "audio" in step.produces else "text"
+            if kind == "audio" and "audio" in (ref.name for ref in decoded.tensors):
+                # A last role that does not stream (a vocoder returning one tensor): its result
+                # holds the whole waveform, sent as the reply's last chunk. (A streaming one
+                # returns no "audio": its chunks went out as partials.)
+                tensors, meta = await self.transport.import_state(decoded)
+                samples = tensors["audio"].to(torch.float32).view(-1)
+                per_chunk = CHUNK_BYTES // 4  # float32: each event within the message limits
+                for start in range(0, max(1, samples.numel()), per_chunk):
+                    await self._send_audio(req, samples[start : start + per_chunk].clone(), meta)
             result = cpb.Result(kind=kind, text="".join(req.text), audio_samples=req.audio_samples)
             result.sample_rate = int(decoded.meta.get("sample_rate", "0"))
             result.total_ms = (time.perf_counter() - started) * 1e3
