@@ -35,8 +35,7 @@ path = sys.argv[1]
 blocks = re.split(r"(?m)^(?=[A-Za-z0-9_.-]+==)", open(path).read())
 dropped = ("torchvision==", "torchaudio==", "torchcodec==")
 kept = [b for b in blocks if not b.startswith(dropped)]
-text = "".join(kept)
-text = text.replace("#\n\n", "#\n# torchvision, torchaudio and torchcodec are left out: see scripts/lock.sh.\n\n", 1)
+text = "# torchvision, torchaudio and torchcodec are left out: see scripts/lock.sh.\n" + "".join(kept)
 open(path, "w").write(text)
 PY
 echo "locked: $(ls requirements/*.lock | tr '\n' ' ')"
