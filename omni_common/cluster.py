@@ -234,6 +234,15 @@ class LocalCluster:
                     )
                 time.sleep(0.1)
 
+    def _cause(self, name: str) -> str:
+        """': ' and the last line `name` wrote (its log's), or where to look without a log."""
+        if self.log_dir is None:
+            return " (its output above says why)"
+        path = self.log_dir / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return f": {last[:300]} (log: {path})" if last else f" (log: {path})"
+
     def _log_tails(self, lines: int = 15) -> str:
         """The last lines of every process's log, for an error that says why a start failed."""
         if self.log_dir is None:
@@ -288,11 +297,11 @@ class LocalCluster:
         env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
         if self.token_file is not None:
             env["OMNISTAGE_CLUSTER_TOKEN_FILE"] = str(self.token_file)
-        if "OMNISTAGE_THREADS" not in env and _is_stage(proc):
+        if "OMNISTAGE_THREADS" not in env and is_stage(proc):
             # Stage processes on one host share its cores: torch in each taking all of them
             # oversubscribes the CPU as soon as stages overlap (measured on 2 cores, 64x64,
             # 8 concurrent requests: 4.8 images/s with 2 threads per stage, 26 with 1).
-            stages = sum(_is_stage(p) for p in self.plan)
+            stages = sum(is_stage(p) for p in self.plan)
             env["OMNISTAGE_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(stages, 1)))
         out = None
         if self.log_dir is not None:
@@ -312,12 +321,16 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         popen = self.processes[proc.name]
         while not check_health(proc.health_address, timeout_s=1.0, tls=self.client_tls(proc)):
+            # The first line names the service and the cause (a failed service's last line is
+            # its one-line error, `omnistage serve`'s); the log tails below it are for tests.
             if popen.poll() is not None:
                 raise Unavailable(
-                    f"{proc.name} exited with status {popen.returncode} while starting{self._log_tails()}"
+                    f"{proc.name} exited with status {popen.returncode} while starting"
+                    f"{self._cause(proc.name)}{self._log_tails()}"
                 )
             if time.monotonic() > deadline:
-                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{self._log_tails()}")
+                cause = self._cause(proc.name)
+                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{cause}{self._log_tails()}")
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 40.0) -> None:
@@ -343,7 +356,7 @@ def _write_token(fd: int) -> None:
         file.write(secrets.token_urlsafe(32) + "\n")
 
 
-def _is_stage(proc: LocalProcess) -> bool:
+def is_stage(proc: LocalProcess) -> bool:
     return "serve" in proc.argv and proc.argv[-1] in ("ar-encoder", "dit-denoise", "vae-decode")
 
 

@@ -52,6 +52,8 @@ from transformers import (
     Qwen2Tokenizer,
 )
 
+from omni_common.models.model_defaults import ModelDefaults, write_model_defaults
+
 HIDDEN = 32
 HEAD_DIM = 8
 MROPE_SECTION = [1, 1, 2]  # sums to HEAD_DIM / 2, split like the real [16, 24, 24]
@@ -60,6 +62,10 @@ MEL_DIM = 80
 REF_MEL_FRAMES = 30
 CODEC_VOCAB = 8448
 SPEAKERS = ("Chelsie", "Ethan")
+# The fixture's own reply limits (its omnistage.json): random weights rarely say their end
+# token, so the family's 1024 text tokens / 4096 codec tokens (~50 codes a second) ran to 30-82 s
+# of noise. 16 tokens and 100 codes (2 s) answer in seconds; a request can still ask for more.
+FIXTURE_DEFAULTS = ModelDefaults(options={"max_new_tokens": "16", "talker_max_new_tokens": "100"})
 SPECIAL_TOKENS = [
     "<|im_start|>",
     "<|im_end|>",
@@ -246,4 +252,5 @@ def build_tiny_fixture(out_dir: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     torch.save(build_speakers(tokenizer, seed), out_dir / "spk_dict.pt")
+    write_model_defaults(out_dir, FIXTURE_DEFAULTS)
     return out_dir
