@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -162,6 +163,11 @@ def _moved(health_address: str, by: int) -> tuple[str, str]:
 class LocalCluster:
     """Starts a plan's processes, waits for health, stops them all (SIGTERM, then SIGKILL)."""
 
+    # Every process any LocalCluster of this interpreter started, their children included
+    # (a replica's device workers): what the tests' shared-memory leak checks call their own,
+    # so that another omnistage on the host never fails them.
+    started: ClassVar[set[int]] = set()
+
     def __init__(
         self, plan: list[LocalProcess], log_dir: Path | None = None, start_timeout_s: float = 180.0
     ) -> None:
@@ -170,6 +176,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.token_file: Path | None = None  # the cluster token this launcher made, if any
+        self.pids: set[int] = set()  # this cluster's processes and their children, dead ones too
 
     def __enter__(self) -> LocalCluster:
         self.start(self.start_timeout_s)
@@ -201,6 +208,7 @@ class LocalCluster:
             for proc in self.plan:
                 self.wait_healthy(proc, timeout_s)
             self.wait_registered(timeout_s)
+            self._note_children()  # device workers start with their replica, before it is healthy
         except BaseException:
             self.stop()
             raise
@@ -260,6 +268,12 @@ class LocalCluster:
         self.plan.append(proc)
         self._spawn(proc)
         self.wait_healthy(proc, timeout_s)
+        self._note_children()
+
+    def _note_children(self) -> None:
+        """Add the live descendants of this cluster's processes to `pids` (and `started`)."""
+        self.pids |= descendants(self.pids)
+        LocalCluster.started.update(self.pids)
 
     def _make_token(self) -> None:
         """Internal RPCs of a local cluster need a token too (omni_common.runtime.auth): a
@@ -314,6 +328,8 @@ class LocalCluster:
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
         )
+        self.pids.add(self.processes[proc.name].pid)
+        LocalCluster.started.add(self.processes[proc.name].pid)
 
     def wait_healthy(self, proc: LocalProcess, timeout_s: float) -> None:
         from omni_common.health import check_health
@@ -335,6 +351,7 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 40.0) -> None:
         """SIGTERM in reverse start order; SIGKILL whatever outlives the grace period."""
+        self._note_children()
         for popen in reversed(list(self.processes.values())):
             if popen.poll() is None:
                 popen.send_signal(signal.SIGTERM)
@@ -349,6 +366,28 @@ class LocalCluster:
         if self.token_file is not None:
             self.token_file.unlink(missing_ok=True)
             self.token_file = None
+
+
+def descendants(roots: set[int]) -> set[int]:
+    """The live processes below `roots` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        parent = int(stat[stat.rindex(b")") + 2 :].split()[1])  # the field after the state
+        children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def _write_token(fd: int) -> None:
