@@ -55,3 +55,13 @@ def test_a_segment_whose_owner_cannot_be_read_counts_as_ours(made: list[Path]) -
     (SHM_DIR / orphan).write_bytes(b"\0" * 64)
     made.append(SHM_DIR / orphan)
     assert segment_owner(orphan) is None and ours({orphan}) == {orphan}
+
+
+def test_a_segment_of_a_process_a_local_cluster_started_is_ours(
+    made: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omni_common.cluster import LocalCluster
+
+    monkeypatch.setattr(LocalCluster, "started", {4_000_000})  # a replica's pid, long dead
+    replicas = queue_segment(made, owner_pid=4_000_000)
+    assert ours({replicas}) == {replicas}
