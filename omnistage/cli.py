@@ -139,7 +139,7 @@ def _speak(args: argparse.Namespace) -> int:
             return _failed(err, args)
     print(reply.text)
     if not reply.spoken:  # a text-only reply (--option audio=0): no WAV to write
-        print(f"no speech asked for (audio=0): {args.output} not written ({reply.total_ms:.0f} ms)")
+        print(f"a text-only reply (no speech; audio=0 asks for that): {args.output} not written")
         return 0
     out = _output_path(args)
     reply.save(out)
