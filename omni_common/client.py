@@ -72,9 +72,9 @@ def generate_request(
     prompt: str,
     *,
     negative_prompt: str = "",
-    width: int = 1024,
-    height: int = 1024,
-    steps: int = 50,
+    width: int | None = None,
+    height: int | None = None,
+    steps: int | None = None,
     guidance: float | None = None,
     seed: int = 0,
     model: str = "",
@@ -89,8 +89,9 @@ def generate_request(
     loras: Sequence[LoraLike] = (),
 ) -> cpb.GenerateRequest:
     """The GenerateRequest for these arguments (guidance is the model's guidance scale:
-    diffusers' true_cfg_scale for Qwen-Image, guidance_scale for GLM-Image; None takes the
-    model's default; image_format "rgb8" sends raw pixels, "png" a PNG file; loras names the
+    diffusers' true_cfg_scale for Qwen-Image, guidance_scale for GLM-Image; width, height,
+    steps and guidance left None take the model's own defaults, `omnistage models` lists them;
+    image_format "rgb8" sends raw pixels, "png" a PNG file; loras names the
     DiT's LoRA adapters in order, each a name (its added scale) or (name, scale))."""
     formats = {"png": cpb.IMAGE_FORMAT_PNG, "rgb8": cpb.IMAGE_FORMAT_RGB8}
     if image_format not in formats:
@@ -101,7 +102,7 @@ def generate_request(
         negative_prompt=negative_prompt,
         width=width,
         height=height,
-        num_inference_steps=steps,
+        num_inference_steps=steps,  # None leaves the field unset: the coordinator fills it
         seed=seed,
         max_sequence_length=max_sequence_length,
         options={name: str(value) for name, value in (options or {}).items()},
@@ -300,9 +301,9 @@ class Client(_Connection):
         self,
         prompt: str,
         negative_prompt: str = "",
-        width: int = 1024,
-        height: int = 1024,
-        steps: int = 50,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
         guidance: float | None = None,
         seed: int = 0,
         **kwargs: object,
@@ -393,9 +394,9 @@ class AsyncClient(_Connection):
         self,
         prompt: str,
         negative_prompt: str = "",
-        width: int = 1024,
-        height: int = 1024,
-        steps: int = 50,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
         guidance: float | None = None,
         seed: int = 0,
         **kwargs: object,

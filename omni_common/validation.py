@@ -47,20 +47,32 @@ DEFAULTS: dict[str, float] = {
 }
 
 
-def defaults_for(card: ModelCard | None = None) -> dict[str, float]:
-    """The defaults of the optional fields for a model: omnistage's, then its family's."""
-    return {**DEFAULTS, **(card.defaults if card is not None else {})}
+def defaults_for(card: ModelCard | None = None, model: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The defaults of the optional fields for a model: omnistage's, then its family's, then
+    the model directory's own (omni_common.models.model_defaults), each overriding the last."""
+    return {**DEFAULTS, **(card.defaults if card is not None else {}), **(model or {})}
+
+
+def option_defaults_for(card: ModelCard, model: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The value each family option takes when a request does not give it: the model's own
+    default, else the family's."""
+    return {spec.name: (model or {}).get(spec.name, spec.default) for spec in card.options}
 
 
 def with_defaults(
-    params: stage_pb2.GenerationParams, defaults: Mapping[str, float] = DEFAULTS
+    params: stage_pb2.GenerationParams,
+    defaults: Mapping[str, float] = DEFAULTS,
+    options: Mapping[str, str] | None = None,
 ) -> stage_pb2.GenerationParams:
-    """Fill unset optional fields with `defaults` (a copy; the input is unchanged)."""
+    """Fill unset optional fields with `defaults`, and family options the request does not give
+    with `options` (a copy; the input is unchanged)."""
     out = stage_pb2.GenerationParams()
     out.CopyFrom(params)
     for name, value in defaults.items():
         if not params.HasField(name):
             setattr(out, name, type(getattr(out, name))(value))
+    for name, text in (options or {}).items():
+        out.options.setdefault(name, text)
     return out
 
 

@@ -169,12 +169,20 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="dit-denoise: shorthand for --devices cuda:0,...,cuda:N-1 (0 or 1: one device)",
     )
     parser.add_argument(
-        "--dtype", default=env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16")
+        "--dtype",
+        default=env("DTYPE", "float32"),
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype (OMNISTAGE_DTYPE; default float32)",
     )
     parser.add_argument(
         "--threads", type=int, default=int(env("THREADS", "0")), help="torch threads (0 = all)"
     )
-    parser.add_argument("--lease-ttl", type=float, default=float(env("LEASE_TTL_S", "600")))
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(env("LEASE_TTL_S", "600")),
+        help="seconds an output lease lives unless released (OMNISTAGE_LEASE_TTL_S)",
+    )
     parser.add_argument(
         "--inline-bytes",
         type=int,
@@ -398,7 +406,12 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
             default=env(key, ""),
             help=f"comma-separated static {stage} replica addresses (replicas may also register)",
         )
-    parser.add_argument("--stage-timeout", type=float, default=float(env("STAGE_TIMEOUT_S", "600")))
+    parser.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=float(env("STAGE_TIMEOUT_S", "600")),
+        help="seconds one stage call may take (OMNISTAGE_STAGE_TIMEOUT_S)",
+    )
     parser.add_argument(
         "--replica-wait",
         type=float,

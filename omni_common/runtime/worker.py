@@ -30,6 +30,7 @@ from omni_common.models.base import (
     StageState,
 )
 from omni_common.models.lora import LoraInfo, LoraLayers, check_name
+from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.compile_cache import use_compile_cache
@@ -72,6 +73,8 @@ class Worker:
             torch.set_num_threads(config.threads)
         self.family: ModelFamily = family_for_model_dir(config.model_dir)
         self.model_name = config.model_name or model_name_for_dir(config.model_dir)
+        # Read before the weights load, so a bad omnistage.json stops the stage at once.
+        self.model_defaults = read_model_defaults(config.model_dir, self.family.card, self.family.name)
         self.in_flight = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-compute")
         self.modules = StageModules({}, [])

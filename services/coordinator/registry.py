@@ -80,6 +80,10 @@ class ModelView:
     stages: dict[str, int] = field(default_factory=dict)  # healthy replicas per stage
     roles: dict[str, int] = field(default_factory=dict)  # healthy replicas per role
     loras: dict[str, int] = field(default_factory=dict)  # healthy replicas per loaded adapter
+    # The model directory's own defaults (StageInfo.model_defaults / option_defaults); every
+    # replica reads the same directory, so any one that sends them speaks for the model.
+    model_defaults: dict[str, float] = field(default_factory=dict)
+    option_defaults: dict[str, str] = field(default_factory=dict)
 
     def ready(self) -> bool:
         """Every role of the model's family has a healthy replica."""
@@ -182,6 +186,8 @@ class ReplicaPool:
                         view.roles[role] = view.roles.get(role, 0) + 1
                     for lora in replica.info.loras:
                         view.loras[lora] = view.loras.get(lora, 0) + 1
+                    view.model_defaults.update(replica.info.model_defaults)
+                    view.option_defaults.update(replica.info.option_defaults)
         return found
 
     def family_of(self, model: str) -> ModelFamily:

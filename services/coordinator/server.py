@@ -30,6 +30,7 @@ from omni_common.validation import (
     check_request_id,
     check_takes_loras,
     defaults_for,
+    option_defaults_for,
     to_request,
     with_defaults,
 )
@@ -89,7 +90,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise AlreadyExists(f"request {request_id} is already in flight; use another id")
         model = self.pool.resolve_model(request.params.model)
         family = self.pool.family_of(model)
-        params = with_defaults(request.params, defaults_for(family.card))
+        view = self.pool.models()[model]
+        # Only the model's own option defaults go into the request: the family's are the
+        # runners' own fallbacks, and requests that name none stay as they were.
+        params = with_defaults(
+            request.params, defaults_for(family.card, view.model_defaults), view.option_defaults
+        )
         params.model = model
         media = self._media(request)
         images = tuple(
@@ -183,7 +189,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def model_info(name: str, view: ModelView) -> cpb.ModelInfo:
-    """What clients learn of a served model: its replicas, and its family's card."""
+    """What clients learn of a served model: its replicas, and its card (its family's, with the
+    model directory's own defaults over the family's)."""
     info = cpb.ModelInfo(
         name=name, family=view.family, replicas=view.stages, roles=view.roles, ready=view.ready()
     )
@@ -194,15 +201,16 @@ def model_info(name: str, view: ModelView) -> cpb.ModelInfo:
     info.inputs.extend(card.inputs)
     info.max_images = card.max_images
     info.outputs.extend(card.outputs)
-    info.defaults.update(defaults_for(card))
+    info.defaults.update(defaults_for(card, view.model_defaults))
     info.size_multiple = card.size_multiple
     info.takes_loras = card.loras
     info.loras.update(view.loras)
+    options = option_defaults_for(card, view.option_defaults)
     info.options.extend(
         cpb.ModelOption(
             name=spec.name,
             type=spec.type,
-            default_value=spec.default,
+            default_value=options[spec.name],
             minimum=spec.minimum,
             maximum=spec.maximum,
             description=spec.description,

@@ -110,6 +110,28 @@ def test_clients_that_do_not_verify_the_cluster_ca_get_nothing(
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_the_cli_against_a_tls_cluster_without_the_ca_says_to_pass_it(
+    clusters: tuple[InProcessCluster, np.ndarray],
+    certs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    secured, _ = clusters
+    monkeypatch.delenv("OMNISTAGE_TLS_CA")  # a new user's shell: no CA anywhere
+    out = str(tmp_path / "x.png")
+    for command in (["generate", "x", "-o", out, "--quiet"], ["models"]):
+        assert cli([*command, "--address", secured.coordinator]) == 1
+        printed = capsys.readouterr().err
+        assert printed.startswith("error: UNAVAILABLE"), printed
+        assert "--ca-cert .secrets/tls/ca.pem" in printed, printed
+    # With a CA that did not sign the server's certificate, the hint says to check that instead.
+    assert cli(["certs", str(tmp_path / "other")]) == 0
+    bad = ["--ca-cert", str(tmp_path / "other" / "ca.pem")]
+    assert cli(["generate", "x", "-o", out, "--address", secured.coordinator, "--quiet", *bad]) == 1
+    assert "check that the CA given by --ca-cert" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7"])
 def test_plaintext_is_refused_off_loopback_unless_allowed(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def check() -> None:
