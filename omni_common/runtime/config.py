@@ -76,8 +76,11 @@ class StageConfig:
     lora_bytes: int = 1 << 30
     lora_dir: str = ""
     lora_batching: str = "mixed"
-    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles.
+    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles-<uid>.
     profile_dir: str = ""
+    # The directory AddLora's and LoadWeights' paths must lie in (symlinks resolved first);
+    # empty: any file this process can read (the cluster token is then the only guard).
+    control_root: str = ""
     # dit-denoise: the devices one replica spreads each step over, one worker process each
     # (cuda:0,cuda:1 or cpu,cpu); () = one device, in this process (`device`).
     devices: tuple[str, ...] = ()
@@ -305,6 +308,12 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     )
 
     parser.add_argument(
+        "--control-root",
+        default=env("CONTROL_ROOT", ""),
+        help="the directory that AddLora's and LoadWeights' paths must lie in (no symlink leads "
+        "out of it; outside reads as missing); empty: any file this process can read",
+    )
+    parser.add_argument(
         "--profile-dir",
         default=env("PROFILE_DIR", ""),
         help="where `omnistage profile` traces of this replica go (default: omnistage-profiles in "
@@ -354,6 +363,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         lora_dir=args.lora_dir,
         lora_batching=args.lora_batching,
         profile_dir=args.profile_dir,
+        control_root=args.control_root,
         devices=devices,
     )
 

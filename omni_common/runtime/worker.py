@@ -29,12 +29,19 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
-from omni_common.models.lora import LoraInfo, LoraLayers, check_name
+from omni_common.models.checked_files import FileReader
+from omni_common.models.lora import LoraAdapter, LoraInfo, LoraLayers, check_name
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.compile_cache import use_compile_cache
 from omni_common.runtime.config import StageConfig
-from omni_common.runtime.hot_reload import WeightsLoaded, copy_weights, planned_copies, read_weights
+from omni_common.runtime.hot_reload import (
+    WeightsLoaded,
+    copy_weights,
+    planned_copies,
+    read_weights,
+    weight_shapes,
+)
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
 from omni_common.runtime.offload import LayerwiseOffload
 from omni_common.runtime.profiler import StageProfiler
@@ -74,6 +81,9 @@ class Worker:
         self.model_name = config.model_name or model_name_for_dir(config.model_dir)
         self.in_flight = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-compute")
+        # Files that calls name are read here: never on the event loop or the compute thread.
+        self.files = FileReader()
+        self.control_root = Path(config.control_root) if config.control_root else None
         self.modules = StageModules({}, [])
         self.weight_bytes = 0
         self.sleeper = WeightSleeper(self.modules, self.device)
@@ -233,6 +243,8 @@ class Worker:
         handler = self.handler(call.role)
         if call.inbox is not None and not getattr(handler, "streams", False):
             raise InvalidArgument(f"role {call.role or self.roles[0]!r} does not take streamed inputs")
+        if call.request.loras:
+            await self.preload_loras([name for name, _ in call.request.loras])
         async for item in handler.run(call):
             yield item
 
@@ -333,10 +345,30 @@ class Worker:
         except Unimplemented:
             return []
 
+    async def preload_loras(self, names: Sequence[str]) -> None:
+        """Read a request's adapters that are not loaded yet from the adapter directory, on the
+        file reader, and install them between steps: the compute thread never opens a file a
+        public request named (prepare's acquire then finds them loaded)."""
+        try:
+            layers = self.lora_layers()
+        except Unimplemented:  # a stage whose model takes none (the encoder, the VAE)
+            return
+        for name in names:
+            if name in layers.names:
+                continue
+            adapter = await self.files.run(layers.read_from_directory, name)
+            await self.compute(self._install_if_absent, layers, adapter)
+
+    @staticmethod
+    def _install_if_absent(layers: LoraLayers, adapter: LoraAdapter) -> None:
+        if adapter.name not in layers.adapters:  # a concurrent request installed it first
+            layers.put(adapter)
+
     async def add_lora(self, name: str, path: str, scale: float, pinned: bool) -> LoraInfo:
-        """Read and check the file off the compute thread, then install it between steps."""
+        """Read and check the file on the file reader, then install it between steps."""
         layers = self.lora_layers()
-        adapter = await asyncio.to_thread(layers.read, check_name(name), Path(path), scale, pinned)
+        layers.control_root = self.control_root
+        adapter = await self.files.run(layers.read, check_name(name), Path(path), scale, pinned)
         info = await self.compute(layers.put, adapter)
         log.info(
             "%s: LoRA %s added (%s, %d modules, %d bytes)",
@@ -370,7 +402,8 @@ class Worker:
         if not modules:
             raise Unimplemented(f"this {self.stage} replica declares no weights to load")
         self._check_awake()
-        tensors = await asyncio.to_thread(read_weights, paths)
+        shapes = await self.compute(weight_shapes, modules)
+        tensors = await self.files.run(read_weights, paths, shapes, self.control_root)
         async with self._memory_lock:
             self._check_awake()  # shapes are checked against the weights on the device
             pairs = await asyncio.to_thread(planned_copies, modules, tensors)
@@ -406,5 +439,6 @@ class Worker:
         for handler in self.handlers.values():
             handler.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self.files.close()
         for offload in self.layerwise:
             offload.close()
