@@ -18,9 +18,11 @@ Secrets are compared in constant time and never logged or echoed in an error.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -71,11 +73,34 @@ def _matches(given: str | bytes | None, secrets: Sequence[str]) -> bool:
     return found
 
 
-def _api_key(metadata: dict[str, str | bytes]) -> str | bytes | None:
+def _api_key(metadata: Mapping[str, str | bytes]) -> str | bytes | None:
     auth = metadata.get("authorization")
     if isinstance(auth, str) and auth.lower().startswith("bearer "):
         return auth[7:].strip()
     return metadata.get(API_KEY_HEADER)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a public call comes from, as far as the coordinator needs to know: the owner of
+    the requests it starts (a fingerprint of its API key, never the key; "" when the public
+    API is open, where every caller is one owner) and whether it is an operator (it also
+    carries the cluster token, or the public API is open): only operators see replica
+    addresses."""
+
+    owner: str
+    operator: bool
+
+
+def caller(metadata: Mapping[str, str | bytes], keys: Sequence[str], tokens: Sequence[str]) -> Caller:
+    """The Caller of a public call that passed AuthInterceptor (so its key, if keys are
+    configured, is one of them)."""
+    if not keys:
+        return Caller(owner="", operator=True)
+    key = _api_key(metadata)
+    owner = hashlib.sha256(key.encode()).hexdigest()[:32] if isinstance(key, str) else ""
+    operator = bool(tokens) and _matches(metadata.get(CLUSTER_TOKEN_HEADER), tokens)
+    return Caller(owner=owner, operator=operator)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -59,8 +59,25 @@ REPLICA_POLL_S = 0.2  # while a request waits for a replica: how often the pool 
 TOKEN_PROGRESS_EVERY = 16  # tokens between two TokenProgress events
 
 
+# What a replica may answer about the request itself: the caller's to fix, or to retry later
+# (the whole cluster would answer the same). Any other failure is the replica's own (a bug,
+# a misconfiguration, or a fake that registered with the token and answers
+# FAILED_PRECONDITION to everything): the replica is treated as lost and the call moves to
+# another, so one bad replica cannot fail requests that a healthy one would serve.
+CLIENT_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
 class ReplicaLost(Unavailable):
-    """The replica went away mid-call (killed, crashed, draining)."""
+    """The replica went away mid-call (killed, crashed, draining), or failed it on its own."""
 
 
 class RequestFlow:
@@ -311,6 +328,20 @@ class RequestFlow:
                 # the call in flight, a drain racing its deregistration.
                 self.pool.mark_failed(replica)
                 raise ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call") from None
+            if err.code() not in CLIENT_ERRORS:
+                # INTERNAL or UNKNOWN may come from this request's content (it would fail the
+                # same way everywhere): the call moves on, but the replica stays routable.
+                if err.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                    self.pool.mark_failed(replica)
+                log.warning(
+                    "request %s: %s replica %s answered %s: %s",
+                    req.request_id,
+                    replica.stage,
+                    replica.address,
+                    err.code().name,
+                    (err.details() or "")[:200],
+                )
+                raise ReplicaLost(f"{replica.stage} replica {replica.address} failed the call") from None
             raise error_from_rpc(err) from None
         finally:
             if feeder is not None:

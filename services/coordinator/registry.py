@@ -90,6 +90,9 @@ class ModelView:
 @dataclass
 class ReplicaPool:
     replicas: dict[str, list[Replica]] = field(default_factory=dict)
+    # Every replica address ever routed to (kept after one leaves): what a public caller's
+    # events and errors must not show (CoordinatorServicer hides them from API-key callers).
+    addresses_seen: set[str] = field(default_factory=set)
 
     @classmethod
     def from_addresses(cls, addresses: dict[str, list[str]]) -> ReplicaPool:
@@ -108,6 +111,7 @@ class ReplicaPool:
             control=stage_pb2_grpc.StageControlStub(channel),
         )
         self.replicas.setdefault(stage, []).append(replica)
+        self.addresses_seen.add(address)
         return replica
 
     def find(self, stage: str, address: str) -> Replica | None:
