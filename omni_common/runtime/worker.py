@@ -84,6 +84,13 @@ class Worker:
         # Files that calls name are read here: never on the event loop or the compute thread.
         self.files = FileReader()
         self.control_root = Path(config.control_root) if config.control_root else None
+        self.profiler = StageProfiler(
+            self.stage,
+            self.device,
+            config.profile_dir,
+            max_seconds=config.profile_max_s,
+            max_bytes=config.profile_max_mb << 20,
+        )
         self.modules = StageModules({}, [])
         self.weight_bytes = 0
         self.sleeper = WeightSleeper(self.modules, self.device)
@@ -109,7 +116,6 @@ class Worker:
         # The latest tensor LoadWeights gave each weight name (host memory, at most one model's
         # worth), applied again when a level-2 wake reloads the model from its directory.
         self.pushed: dict[str, torch.Tensor] = {}
-        self.profiler = StageProfiler(self.stage, self.device, config.profile_dir)
         has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
         self.manage_memory(
             self.model,
@@ -428,17 +434,29 @@ class Worker:
         return await self.compute(self.profiler.start, name)
 
     async def stop_profile(self) -> tuple[Path, float]:
-        return await self.compute(self.profiler.stop)
+        """End the recording on the compute thread; its trace is written off it (the next
+        steps run while the file is written)."""
+        written, seconds = await self.compute(self.profiler.stop)
+        return await asyncio.wrap_future(written), seconds
 
     async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the device's compute thread without blocking the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await loop.run_in_executor(self._executor, self._bounded, fn, args)
+
+    def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        """`fn(*args)`, then a running profile's time and memory bounds are enforced (the
+        compute thread is where the profiler may be stopped)."""
+        try:
+            return fn(*args)
+        finally:
+            self.profiler.enforce_limits()
 
     def close(self) -> None:
         for handler in self.handlers.values():
             handler.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.files.close()
+        self.profiler.close()
         for offload in self.layerwise:
             offload.close()
