@@ -80,8 +80,8 @@ class StageConfig:
     profile_dir: str = ""
     # A profile stops itself after this long, or once the replica grew this much resident
     # memory since it started (runtime/profiler.py).
-    profile_max_s: float = 120.0
-    profile_max_mb: int = 2048
+    profile_max_s: float = 60.0
+    profile_max_mb: int = 512
     # The directory AddLora's and LoadWeights' paths must lie in (symlinks resolved first);
     # empty: any file this process can read (the cluster token is then the only guard).
     control_root: str = ""
@@ -326,13 +326,13 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--profile-max-s",
         type=float,
-        default=float(env("PROFILE_MAX_S", "120")),
+        default=float(env("PROFILE_MAX_S", "60")),
         help="a profile that nobody stops stops itself after this many seconds",
     )
     parser.add_argument(
         "--profile-max-mb",
         type=int,
-        default=int(env("PROFILE_MAX_MB", "2048")),
+        default=int(env("PROFILE_MAX_MB", "512")),
         help="a profile stops itself once the replica's resident memory grew this many MiB",
     )
 

@@ -12,7 +12,11 @@ What keeps a profile from hurting serving (issue 38):
   resident memory since it started (a client that never sends StopProfile, a Ctrl-C, a
   crash): the compute thread checks after each of its tasks (`enforce_limits`);
 - the trace (hundreds of MB for a few hundred requests) is written by a writer thread, never
-  the compute thread: stopping only ends the recording there;
+  the compute thread: stopping only ends the recording there. What no thread choice avoids:
+  torch holds the GIL while it stops (its C++ post-processing of the events) and while it
+  writes the JSON, every thread of the process waits, for a time proportional to the events
+  recorded (benchmarks/profile_stop.py: ~5-13 s and ~4 s per 100k operator events on 2
+  shared CPU cores). The memory bound is therefore also the bound on that stall;
 - the profile directory is owner-only (0700, owned by this user: a shared /tmp directory
   made by someone else is refused), subdirectories and trace files are created fresh
   (mode 0700 / 0600) and a symlink planted anywhere on the way is refused, never followed.
@@ -34,8 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 from omni_common.errors import FailedPrecondition, InvalidArgument
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
-MAX_SECONDS = 120.0
-MAX_BYTES = 2 << 30
+MAX_SECONDS = 60.0
+MAX_BYTES = 512 << 20
 
 
 def default_root() -> Path:
