@@ -207,7 +207,7 @@ def read_tensors(fd: int, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
     otherwise, and an adapter's image is bitwise diffusers' (test_qwenimage_lora)."""
     start = header.data_start
     buffer = torch.empty(start + header.data_bytes, dtype=torch.uint8)
-    _pread_into(fd, memoryview(buffer.numpy())[start:], start)
+    _pread_into(fd, buffer.numpy().data[start:], start)
     return {
         key: buffer[start + entry.begin : start + entry.end].view(entry.dtype).reshape(entry.shape)
         for key, entry in header.tensors.items()
