@@ -97,15 +97,14 @@ def confined(text: str | Path, root: Path | None, what: str) -> Path:
     before the check, so none leads out of the root; a path outside it is NOT_FOUND, worded as
     one that does not exist, so errors tell nothing about the rest of the machine."""
     text = checked_text(str(text), what)
-    path = Path(text)
-    if root is None:
-        return path
-    base = root.resolve()
+    base = root.resolve() if root is not None else Path.cwd()
     try:
-        resolved = (base / path).resolve()  # an absolute `path` replaces `base`
+        # Resolved here, so the open (O_NOFOLLOW) meets no symlink a call may use; an
+        # absolute path replaces `base`.
+        resolved = (base / text).resolve()
     except (OSError, RuntimeError):  # a symlink loop
         raise NotFound(f"no {what} at {shown(text)}") from None
-    if resolved != base and base not in resolved.parents:
+    if root is not None and resolved != base and base not in resolved.parents:
         raise NotFound(f"no {what} at {shown(text)}")
     return resolved
 

@@ -162,3 +162,10 @@ def test_addlora_scales_share_the_requests_limit(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument, match="finite, in"):
             layers().read("a", tmp_path / "a.safetensors", scale)
     assert layers().read("a", tmp_path / "a.safetensors", 100.0).scale == 100.0
+
+
+def test_without_a_root_a_symlinked_adapter_is_followed_deliberately(tmp_path: Path) -> None:
+    tensors = {"0.lora_A.weight": torch.zeros(2, 16), "0.lora_B.weight": torch.zeros(16, 2)}
+    save_file(tensors, str(tmp_path / "real.safetensors"))
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
+    assert layers().read("a", tmp_path / "link.safetensors").source == "real.safetensors"
