@@ -164,8 +164,6 @@ class LoraLayers:
         self.dtype = dtype
         self.max_bytes = max_bytes
         self.directory = directory  # where requests may name adapters not loaded yet
-        # Where AddLora's paths must lie (StageConfig.control_root); None: anywhere readable.
-        self.control_root: Path | None = None
         self.targets = {name: m for name, m in root.named_modules() if isinstance(m, torch.nn.Linear)}
         self.adapters: dict[str, LoraAdapter] = {}
         self.names: tuple[str, ...] = ()  # snapshot for other threads (StageInfo)
@@ -184,11 +182,14 @@ class LoraLayers:
         """Load an adapter file under `name` (replacing an unused adapter of that name)."""
         return self.put(self.read(name, path, scale, pinned))
 
-    def read(self, name: str, path: Path, scale: float = 1.0, pinned: bool = False) -> LoraAdapter:
-        """Read and check an adapter file (any thread: it touches no loaded adapter)."""
+    def read(
+        self, name: str, path: Path, scale: float = 1.0, pinned: bool = False, root: Path | None = None
+    ) -> LoraAdapter:
+        """Read and check an adapter file (any thread: it touches no loaded adapter); `path`
+        must lie inside `root` when there is one (AddLora: StageConfig.control_root)."""
         check_name(name)
         check_scale(scale)
-        return self._read(name, path, scale, pinned, self.control_root)
+        return self._read(name, path, scale, pinned, root)
 
     def put(self, adapter: LoraAdapter) -> LoraInfo:
         """Install a read adapter, replacing an unused one of its name."""
@@ -201,6 +202,12 @@ class LoraLayers:
             self._drop(old)
         self._install(adapter)
         return self.info(adapter)
+
+    def install_if_absent(self, adapter: LoraAdapter) -> None:
+        """`put`, unless an adapter of its name arrived meanwhile (two requests naming one
+        adapter of the directory read it at once; the first installed wins)."""
+        if adapter.name not in self.adapters:
+            self.put(adapter)
 
     def remove(self, name: str) -> None:
         adapter = self._get(name)

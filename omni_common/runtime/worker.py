@@ -30,7 +30,7 @@ from omni_common.models.base import (
     StageState,
 )
 from omni_common.models.checked_files import FileReader
-from omni_common.models.lora import LoraAdapter, LoraInfo, LoraLayers, check_name
+from omni_common.models.lora import LoraInfo, LoraLayers, check_name
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.compile_cache import use_compile_cache
@@ -360,21 +360,16 @@ class Worker:
         except Unimplemented:  # a stage whose model takes none (the encoder, the VAE)
             return
         for name in names:
-            if name in layers.names:
-                continue
-            adapter = await self.files.run(layers.read_from_directory, name)
-            await self.compute(self._install_if_absent, layers, adapter)
-
-    @staticmethod
-    def _install_if_absent(layers: LoraLayers, adapter: LoraAdapter) -> None:
-        if adapter.name not in layers.adapters:  # a concurrent request installed it first
-            layers.put(adapter)
+            if name not in layers.names:
+                adapter = await self.files.run(layers.read_from_directory, name)
+                await self.compute(layers.install_if_absent, adapter)
 
     async def add_lora(self, name: str, path: str, scale: float, pinned: bool) -> LoraInfo:
         """Read and check the file on the file reader, then install it between steps."""
         layers = self.lora_layers()
-        layers.control_root = self.control_root
-        adapter = await self.files.run(layers.read, check_name(name), Path(path), scale, pinned)
+        adapter = await self.files.run(
+            layers.read, check_name(name), Path(path), scale, pinned, self.control_root
+        )
         info = await self.compute(layers.put, adapter)
         log.info(
             "%s: LoRA %s added (%s, %d modules, %d bytes)",

@@ -254,6 +254,37 @@ class RequestFlow:
         with tracing.span(f"step {step.name}", kind="client", **where):
             return await self._call_stage(req, step, replica, inputs, consumer, outputs, stream_in)
 
+    def _failure(self, req: FlowRequest, replica: Replica, err: grpc.RpcError) -> OmniError:
+        """What a stage call's error means: the replica lost (ReplicaLost: the call moves to
+        another; it leaves routing too unless the request itself may be the cause), or the
+        request's own error, which the client sees."""
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(err):
+            self.pool.mark_failed(replica)
+            return ReplicaLost(f"{replica.stage} replica {replica.address} was lost")
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self.pool.mark_failed(replica)
+            return ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable")
+        if err.code() == grpc.StatusCode.CANCELLED:
+            # Not our cancel (that arrives as asyncio's): the replica's server stopped with
+            # the call in flight, a drain racing its deregistration.
+            self.pool.mark_failed(replica)
+            return ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call")
+        if err.code() not in CLIENT_ERRORS:
+            # INTERNAL or UNKNOWN may come from this request's content (it would fail the
+            # same way everywhere): the call moves on, but the replica stays routable.
+            if err.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                self.pool.mark_failed(replica)
+            log.warning(
+                "request %s: %s replica %s answered %s: %s",
+                req.request_id,
+                replica.stage,
+                replica.address,
+                err.code().name,
+                (err.details() or "")[:200],
+            )
+            return ReplicaLost(f"{replica.stage} replica {replica.address} failed the call")
+        return error_from_rpc(err)
+
     async def _call_stage(
         self,
         req: FlowRequest,
@@ -315,34 +346,7 @@ class RequestFlow:
             release_later(self.transport, replica.address, [], req.request_id)
             raise
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(
-                err
-            ):
-                self.pool.mark_failed(replica)
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} was lost") from None
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_failed(replica)
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable") from None
-            if err.code() == grpc.StatusCode.CANCELLED:
-                # Not our cancel (that arrives as asyncio's): the replica's server stopped with
-                # the call in flight, a drain racing its deregistration.
-                self.pool.mark_failed(replica)
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call") from None
-            if err.code() not in CLIENT_ERRORS:
-                # INTERNAL or UNKNOWN may come from this request's content (it would fail the
-                # same way everywhere): the call moves on, but the replica stays routable.
-                if err.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                    self.pool.mark_failed(replica)
-                log.warning(
-                    "request %s: %s replica %s answered %s: %s",
-                    req.request_id,
-                    replica.stage,
-                    replica.address,
-                    err.code().name,
-                    (err.details() or "")[:200],
-                )
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} failed the call") from None
-            raise error_from_rpc(err) from None
+            raise self._failure(req, replica, err) from None
         finally:
             if feeder is not None:
                 feeder.cancel()

@@ -125,7 +125,6 @@ def test_paths_resolve_inside_the_root_and_outside_reads_as_missing(tmp_path: Pa
     (root / "link.safetensors").symlink_to(outside / "x.safetensors")
     (root / "dir").symlink_to(outside)
     adapters = layers(directory=root)
-    adapters.control_root = root
     messages = set()
     for path in (
         root / "link.safetensors",
@@ -134,17 +133,17 @@ def test_paths_resolve_inside_the_root_and_outside_reads_as_missing(tmp_path: Pa
         root / "../outside/x.safetensors",
     ):
         with pytest.raises(NotFound) as caught:
-            adapters.read("a", path)
+            adapters.read("a", path, root=root)
         messages.add(caught.value.message.replace(repr(str(path)[:200]), "PATH"))
     with pytest.raises(NotFound) as caught:
-        adapters.read("a", root / "absent.safetensors")
+        adapters.read("a", root / "absent.safetensors", root=root)
     assert messages == {caught.value.message.replace(repr(str(root / "absent.safetensors")), "PATH")}
     for name in ("link", "dir"):  # the adapter directory's entries: the same rule
         with pytest.raises(NotFound):
             adapters.read_from_directory(name)
     inside = root / "ok.safetensors"
     inside.write_bytes((outside / "x.safetensors").read_bytes())
-    assert adapters.read("ok", inside).rank == 2
+    assert adapters.read("ok", inside, root=root).rank == 2
 
 
 def test_a_path_with_nul_is_invalid_argument(tmp_path: Path) -> None:
@@ -169,3 +168,16 @@ def test_without_a_root_a_symlinked_adapter_is_followed_deliberately(tmp_path: P
     save_file(tensors, str(tmp_path / "real.safetensors"))
     (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
     assert layers().read("a", tmp_path / "link.safetensors").source == "real.safetensors"
+
+
+def test_pushed_weights_resolve_inside_the_control_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    (root / "in.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    for path in (tmp_path / "outside.safetensors", root / "in.safetensors", root):
+        with pytest.raises((NotFound, InvalidArgument)) as caught:
+            read_weights([str(path)], {"w": (2,)}, root)
+        assert caught.type is NotFound or "holds no" in caught.value.message
+    save_file({"w": torch.ones(2)}, str(root / "ok.safetensors"))
+    assert torch.equal(read_weights(["ok.safetensors"], {"w": (2,)}, root)["w"], torch.ones(2))
