@@ -81,7 +81,7 @@ class StageConfig:
     # A profile stops itself after this long, or once the replica grew this much resident
     # memory since it started (runtime/profiler.py).
     profile_max_s: float = 60.0
-    profile_max_mb: int = 512
+    profile_max_mb: int = 1024
     # The directory AddLora's and LoadWeights' paths must lie in (symlinks resolved first);
     # empty: any file this process can read (the cluster token is then the only guard).
     control_root: str = ""
@@ -332,7 +332,7 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument(
         "--profile-max-mb",
         type=int,
-        default=int(env("PROFILE_MAX_MB", "512")),
+        default=int(env("PROFILE_MAX_MB", "1024")),
         help="a profile stops itself once the replica's resident memory grew this many MiB",
     )
 

@@ -24,6 +24,7 @@ What keeps a profile from hurting serving (issue 38):
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -37,9 +38,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from omni_common.errors import FailedPrecondition, InvalidArgument
 
+log = logging.getLogger("omnistage.profiler")
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 MAX_SECONDS = 60.0
-MAX_BYTES = 512 << 20
+MAX_BYTES = 1 << 30
 
 
 def default_root() -> Path:
@@ -140,8 +142,18 @@ class StageProfiler:
         """Stop a session past its time or memory bound (the compute thread, between tasks)."""
         if self._profile is None:
             return
-        too_long = time.monotonic() - self._started > self.max_seconds
-        if too_long or resident_bytes() - self._rss_at_start > self.max_bytes:
+        seconds = time.monotonic() - self._started
+        grown = resident_bytes() - self._rss_at_start
+        if seconds > self.max_seconds or grown > self.max_bytes:
+            log.warning(
+                "%s: the profile stopped itself after %.1f s, the process %.0f MiB larger "
+                "(bounds: %.0f s, %.0f MiB); StopProfile returns its trace",
+                self.stage,
+                seconds,
+                grown / 2**20,
+                self.max_seconds,
+                self.max_bytes / 2**20,
+            )
             self._stopped = self._finish()
 
     def stop(self) -> tuple[Future[Path], float]:

@@ -77,7 +77,13 @@ CLIENT_ERRORS = frozenset(
 
 
 class ReplicaLost(Unavailable):
-    """The replica went away mid-call (killed, crashed, draining), or failed it on its own."""
+    """The replica went away mid-call (killed, crashed, draining), or failed it on its own.
+    `own_error`: what it answered, when the request's own content may be the cause (INTERNAL,
+    UNKNOWN): with no other replica to try, the caller gets that, not a wait for one."""
+
+    def __init__(self, message: str, own_error: OmniError | None = None) -> None:
+        super().__init__(message)
+        self.own_error = own_error
 
 
 class RequestFlow:
@@ -168,6 +174,11 @@ class RequestFlow:
                 except ReplicaLost as lost:
                     tried.add(replica.address)
                     req.failovers.append(replica.address)
+                    others = [
+                        r for r in self.pool.serving(step.stage, model, step.role) if r.address not in tried
+                    ]
+                    if lost.own_error is not None and not others:
+                        raise lost.own_error from None
                     log.warning("request %s: %s; moving on", req.request_id, lost.message)
                 except NotFound:
                     if step.name not in req.checkpoints:
@@ -272,7 +283,8 @@ class RequestFlow:
         if err.code() not in CLIENT_ERRORS:
             # INTERNAL or UNKNOWN may come from this request's content (it would fail the
             # same way everywhere): the call moves on, but the replica stays routable.
-            if err.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            own = err.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+            if not own:
                 self.pool.mark_failed(replica)
             log.warning(
                 "request %s: %s replica %s answered %s: %s",
@@ -282,7 +294,8 @@ class RequestFlow:
                 err.code().name,
                 (err.details() or "")[:200],
             )
-            return ReplicaLost(f"{replica.stage} replica {replica.address} failed the call")
+            message = f"{replica.stage} replica {replica.address} failed the call"
+            return ReplicaLost(message, error_from_rpc(err) if own else None)
         return error_from_rpc(err)
 
     async def _call_stage(
