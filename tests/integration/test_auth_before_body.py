@@ -72,5 +72,6 @@ def test_a_flood_of_60_mib_calls_without_the_token_leaves_the_rss_flat(server) -
                 list(pending)
             codes.append(refused.value.code())
     growth = peak_rss_bytes(process.pid) - before
+    print(f"peak RSS growth under the flood: {growth / 2**20:.1f} MiB")
     assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}
     assert growth < 100 << 20, f"peak RSS grew by {growth / 2**20:.0f} MiB"
