@@ -322,9 +322,13 @@ class Client(_Connection):
         ).image
 
     def cancel(self, request_id: str) -> bool:
+        """True when the request was in flight and is now being cancelled; False when no
+        request of this key has that id in flight (the server says NOT_FOUND)."""
         try:
             return bool(self._stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=10).cancelled)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
             raise error_from_rpc(err) from None
 
     def list_models(self) -> list[cpb.ModelInfo]:
@@ -417,6 +421,8 @@ class AsyncClient(_Connection):
         try:
             response = await self._stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=10)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:  # none of this key's: as the sync cancel
+                return False
             raise error_from_rpc(err) from None
         return bool(response.cancelled)
 

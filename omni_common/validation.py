@@ -10,20 +10,23 @@ import re
 from collections.abc import Mapping, Sequence
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
+from omni_common.limits import (  # noqa: F401  (re-exported: callers import them from here)
+    MAX_CFG,
+    MAX_LORA_SCALE,
+    MAX_LORAS,
+    MAX_OPTION_CHARS,
+    MAX_OPTIONS,
+    MAX_PIXELS,
+    MAX_PROMPT_CHARS,
+    MAX_SEQUENCE_LENGTH,
+    MAX_SIDE,
+    MAX_STEPS,
+)
 from omni_common.models.base import GenerationRequest, ImageInput, ModelCard, OptionSpec
 from omni_common.models.lora import NAME_PATTERN as LORA_NAME
+from omni_common.models.lora import check_scale
 from omnistage.v1 import stage_pb2
 
-MAX_PROMPT_CHARS = 10_000
-MAX_SIDE = 4096
-MAX_PIXELS = 4 * 1024 * 1024
-MAX_STEPS = 1000
-MAX_CFG = 100.0
-MAX_SEQUENCE_LENGTH = 4096  # the families cap it lower (Qwen-Image: 1024)
-MAX_OPTIONS = 32
-MAX_OPTION_CHARS = 64
-MAX_LORAS = 8
-MAX_LORA_SCALE = 100.0
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 DEFAULT_SIDE = 1024
@@ -167,11 +170,8 @@ def check_loras(loras: Sequence[stage_pb2.LoraRef]) -> tuple[tuple[str, float | 
         if any(name == ref.name for name, _ in out):
             raise InvalidArgument(f"LoRA adapter {ref.name!r} is named twice")
         scale = ref.scale if ref.HasField("scale") else None
-        if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE):
-            raise InvalidArgument(
-                f"LoRA scale of {ref.name!r} is {scale}; it must be finite, in "
-                f"[-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]"
-            )
+        if scale is not None:
+            check_scale(scale, f"LoRA scale of {ref.name!r}")
         out.append((ref.name, scale))
     return tuple(out)
 

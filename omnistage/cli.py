@@ -230,7 +230,10 @@ def _control(args: argparse.Namespace) -> int:
             if args.command == "profile":
                 started = stub.StartProfile(stage_pb2.StartProfileRequest(name=args.name), timeout=30)
                 print(f"profiling {args.address} into {started.path} for {args.seconds:g} s", file=sys.stderr)
-                time.sleep(args.seconds)
+                try:
+                    time.sleep(args.seconds)
+                except KeyboardInterrupt:  # Ctrl-C ends the recording early; the replica must stop it
+                    print("interrupted: stopping the profile", file=sys.stderr)
                 reply = stub.StopProfile(stage_pb2.StopProfileRequest(), timeout=300)
             elif args.command == "load-weights":
                 reply = stub.LoadWeights(stage_pb2.LoadWeightsRequest(paths=args.paths), timeout=args.timeout)

@@ -76,8 +76,15 @@ class StageConfig:
     lora_bytes: int = 1 << 30
     lora_dir: str = ""
     lora_batching: str = "mixed"
-    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles.
+    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles-<uid>.
     profile_dir: str = ""
+    # A profile stops itself after this long, or once the replica grew this much resident
+    # memory since it started (runtime/profiler.py).
+    profile_max_s: float = 60.0
+    profile_max_mb: int = 1024
+    # The directory AddLora's and LoadWeights' paths must lie in (symlinks resolved first);
+    # empty: any file this process can read (the cluster token is then the only guard).
+    control_root: str = ""
     # dit-denoise: the devices one replica spreads each step over, one worker process each
     # (cuda:0,cuda:1 or cpu,cpu); () = one device, in this process (`device`).
     devices: tuple[str, ...] = ()
@@ -313,10 +320,28 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     )
 
     parser.add_argument(
+        "--control-root",
+        default=env("CONTROL_ROOT", ""),
+        help="the directory that AddLora's and LoadWeights' paths must lie in (no symlink leads "
+        "out of it; outside reads as missing); empty: any file this process can read",
+    )
+    parser.add_argument(
         "--profile-dir",
         default=env("PROFILE_DIR", ""),
-        help="where `omnistage profile` traces of this replica go (default: omnistage-profiles in "
-        "the system's temporary directory)",
+        help="where `omnistage profile` traces of this replica go, owner-only (default: "
+        "omnistage-profiles-<uid> in the system's temporary directory)",
+    )
+    parser.add_argument(
+        "--profile-max-s",
+        type=float,
+        default=float(env("PROFILE_MAX_S", "60")),
+        help="a profile that nobody stops stops itself after this many seconds",
+    )
+    parser.add_argument(
+        "--profile-max-mb",
+        type=int,
+        default=int(env("PROFILE_MAX_MB", "1024")),
+        help="a profile stops itself once the replica's resident memory grew this many MiB",
     )
 
 
@@ -362,6 +387,9 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         lora_dir=args.lora_dir,
         lora_batching=args.lora_batching,
         profile_dir=args.profile_dir,
+        profile_max_s=args.profile_max_s,
+        profile_max_mb=args.profile_max_mb,
+        control_root=args.control_root,
         devices=devices,
     )
 

@@ -165,3 +165,40 @@ def test_the_gateway_serves_https_and_reaches_the_coordinator_over_tls(
         assert png.startswith(b"\x89PNG")
     finally:
         gateway.stop()
+
+
+def test_a_heartbeat_is_refused_unless_its_address_answers_as_the_replica_with_a_cluster_certificate(
+    clusters: tuple[InProcessCluster, np.ndarray],
+) -> None:
+    """Replica identity (issue 38, finding 10): with TLS, a first heartbeat registers only when
+    the coordinator, dialling the address it names, finds a cluster certificate there and a
+    replica that says the same stage, model and address."""
+    from omni_common.runtime.rpc import sync_channel
+    from omnistage.v1 import coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+    secured, _ = clusters
+    with sync_channel(secured.addresses["dit-denoise"]) as channel:
+        real = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.StageInfoRequest(), timeout=10)
+
+    async def plaintext_server() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    fake_server, port = secured.call(plaintext_server())
+    try:
+        elsewhere = stage_pb2.StageInfo()
+        elsewhere.CopyFrom(real)
+        elsewhere.address = f"127.0.0.1:{port}"  # no cluster certificate answers there
+        posing = stage_pb2.StageInfo()
+        posing.CopyFrom(elsewhere)
+        posing.address, posing.stage = real.address, "vae-decode"  # a replica that says otherwise
+        with sync_channel(secured.coordinator) as channel:
+            registry = coordinator_pb2_grpc.RegistryStub(channel)
+            for forged in (elsewhere, posing):
+                with pytest.raises(grpc.RpcError) as refused:
+                    registry.Heartbeat(forged, timeout=20)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        secured.call(fake_server.stop(0))
