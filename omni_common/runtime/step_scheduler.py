@@ -306,7 +306,7 @@ class StepScheduler:
 
     async def _waited_for_company(self, batch: list[Job]) -> bool:
         """Wait when `batch` has room and has not stepped yet, while other requests are being
-        admitted (up to `admit_wait_s`, ADMIT_WAIT_S by default), while followers its calls announced have not come (up
+        admitted (up to `admit_wait_s`), while followers its calls announced have not come (up
         to FOLLOWERS_WAIT_S) or within the batch window: they start in the same forward
         instead of one later. True when it waited (the batch is to be picked again)."""
         window = max(self.batch_window_s, self.admit_wait_s if self._admitting else 0.0)
