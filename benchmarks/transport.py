@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 import grpc
 import torch
 
-from omni_common.runtime.rpc import aio_channel, aio_server
+from omni_common.net.rpc import aio_channel, aio_server
 from omni_common.transport import (
     Consumer,
     TensorTransport,

@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from omni_common.net.tls import CLUSTER_NAME
 from omni_common.runtime.config import STAGES
-from omni_common.runtime.tls import CLUSTER_NAME
 
 SERVICES = ("coordinator", *STAGES, "gateway")
 CA_DAYS = 3650

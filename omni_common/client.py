@@ -34,9 +34,9 @@ from PIL import Image
 
 from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
-from omni_common.runtime.auth import API_KEY_HEADER
-from omni_common.runtime.rpc import Metadata, aio_channel, sync_channel
-from omni_common.runtime.tls import TlsSettings, client_settings
+from omni_common.net.auth import API_KEY_HEADER
+from omni_common.net.rpc import Metadata, aio_channel, sync_channel
+from omni_common.net.tls import TlsSettings, client_settings
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 

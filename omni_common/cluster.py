@@ -23,7 +23,7 @@ from typing import ClassVar
 import yaml
 
 from omni_common.errors import Unavailable
-from omni_common.runtime.tls import TlsSettings
+from omni_common.net.tls import TlsSettings
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 LOOPBACK = "127.0.0.1"
@@ -276,7 +276,7 @@ class LocalCluster:
         LocalCluster.started.update(self.pids)
 
     def _make_token(self) -> None:
-        """Internal RPCs of a local cluster need a token too (omni_common.runtime.auth): a
+        """Internal RPCs of a local cluster need a token too (omni_common.net.auth): a
         token file the plan names (docker-compose.yml's) is made if missing and kept; with
         none named anywhere, a random one in an owner-only temporary file, removed at stop."""
         named = {p.environment.get("OMNISTAGE_CLUSTER_TOKEN_FILE", "") for p in self.plan} - {""}

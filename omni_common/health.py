@@ -9,8 +9,8 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni_common.runtime.rpc import sync_channel
-from omni_common.runtime.tls import TlsSettings, client_settings, https_context
+from omni_common.net.rpc import sync_channel
+from omni_common.net.tls import TlsSettings, client_settings, https_context
 
 
 def check_health(address: str, timeout_s: float = 2.0, tls: TlsSettings | None = None) -> bool:

@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_service(args: argparse.Namespace) -> int:
-    from omni_common.runtime import tracing
+    from omni_common.net import tracing
     from omni_common.runtime.config import coordinator_config, gateway_config, stage_config
     from omni_common.runtime.logging import setup_logging
 
@@ -220,8 +220,8 @@ def _control(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from omni_common.runtime.auth import cluster_metadata
-    from omni_common.runtime.rpc import sync_channel
+    from omni_common.net.auth import cluster_metadata
+    from omni_common.net.rpc import sync_channel
     from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
     with sync_channel(args.address, metadata=cluster_metadata()) as channel:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import grpc
 
-from omni_common.runtime.auth import cluster_metadata
-from omni_common.runtime.rpc import aio_channel
+from omni_common.net.auth import cluster_metadata
+from omni_common.net.rpc import aio_channel
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
 log = logging.getLogger("omnistage.registration")

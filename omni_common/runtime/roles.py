@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
+from omni_common.execution.batching import MicroBatcher
 from omni_common.models.base import AsyncRunner, BatchRunner, RoleCall, RoleSpec, StageState, StepRunner
-from omni_common.runtime.batching import MicroBatcher
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
 

@@ -23,10 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from omni_common.runtime.auth import AuthInterceptor, api_keys, cluster_tokens, describe
+from omni_common.net.auth import AuthInterceptor, api_keys, cluster_tokens, describe
+from omni_common.net.rpc import aio_server
+from omni_common.net.tls import bind, tls_settings
 from omni_common.runtime.metrics import start_metrics_server
-from omni_common.runtime.rpc import aio_server
-from omni_common.runtime.tls import bind, tls_settings
 
 log = logging.getLogger("omnistage.serve")
 

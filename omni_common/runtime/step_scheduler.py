@@ -45,7 +45,7 @@ import torch
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, Unavailable
 from omni_common.imaging import to_png
 from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
-from omni_common.runtime import tracing
+from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
 
 log = logging.getLogger("omnistage.steps")

@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
+from omni_common.execution.compile_cache import use_compile_cache
 from omni_common.models.base import (
     GenerationRequest,
     ModelFamily,
@@ -34,7 +35,6 @@ from omni_common.models.lora import LoraInfo, LoraLayers, check_name
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
-from omni_common.runtime.compile_cache import use_compile_cache
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.hot_reload import (
     WeightsLoaded,

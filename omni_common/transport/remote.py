@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from omni_common.errors import InvalidArgument, NotFound, OmniError, error_from_rpc
-from omni_common.runtime.auth import cluster_metadata
-from omni_common.runtime.rpc import CHUNK_BYTES, aio_channel
+from omni_common.net.auth import cluster_metadata
+from omni_common.net.rpc import CHUNK_BYTES, aio_channel
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
 from .codec import check_header, empty_for

@@ -9,7 +9,7 @@ import grpc
 import grpc.aio
 
 from omni_common.errors import OmniError
-from omni_common.runtime.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES
+from omni_common.net.rpc import CHUNK_BYTES, MAX_MESSAGE_BYTES
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
 from .transport import TensorTransport

@@ -38,9 +38,9 @@ import torch
 from omni_common.audio import encode_audio
 from omni_common.errors import NotFound, OmniError, Unavailable, error_from_rpc
 from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
-from omni_common.runtime import tracing
+from omni_common.net import tracing
+from omni_common.net.rpc import CHUNK_BYTES
 from omni_common.runtime.calls import FINISHED_WITH
-from omni_common.runtime.rpc import CHUNK_BYTES
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
@@ -124,9 +124,17 @@ class RequestFlow:
         """Run one validated request's plan; `options` gives the result's format and progress
         rate, `deadline` (time.monotonic()) the client's deadline, which every call carries."""
         started = time.perf_counter()
-        req = FlowRequest(request_id, params, options, deadline, emit, Leases(self.transport), media or {})
-        req.plan = plan
-        run = PlanRun(self, req, plan)
+        req = FlowRequest(
+            request_id=request_id,
+            params=params,
+            options=options,
+            deadline=deadline,
+            emit=emit,
+            leases=Leases(self.transport),
+            media=media or {},
+            plan=plan,
+        )
+        run = PlanRun(req, plan, calls=self, pool=self.pool, cache=self.cache)
         try:
             result = await run.result()
             await self._send_result(req, plan.result, result.state, started)
@@ -206,8 +214,6 @@ class RequestFlow:
     def followers(self, req: FlowRequest, step: PlanStep) -> int:
         """Requests of `req`'s shape now in the steps that produce `step`'s inputs: they will
         likely reach `step`'s stage within moments (a burst of requests encoded in waves)."""
-        if req.plan is None:
-            return 0
         before = {p.name for name in step.consumes if (p := req.plan.producer(name)) is not None}
         return sum(self.in_step.get((req.shape, name), 0) for name in before)
 

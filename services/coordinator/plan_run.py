@@ -11,29 +11,61 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from omni_common.errors import NotFound, Unavailable
 from omni_common.models.base import Plan, PlanStep
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import tensor_pb2
+from services.coordinator.registry import ReplicaPool
 from services.coordinator.request import FlowRequest, StepOutput
-from services.coordinator.step_cache import CachedOutput
-
-if TYPE_CHECKING:
-    from services.coordinator.flow import RequestFlow
+from services.coordinator.step_cache import CachedOutput, StepCache
+from services.coordinator.streams import Stream
 
 log = logging.getLogger("omnistage.coordinator")
 
 RECOMPUTES = 2  # times a step's lost inputs are produced again before the request fails
 
 
+class StageCalls(Protocol):
+    """What a plan run needs of the coordinator's stage calls (`flow.RequestFlow`)."""
+
+    def result_outputs(self, options: cpb.GenerateRequest) -> list[str]:
+        """The tensors the result step returns, in the client's format."""
+        ...
+
+    async def run_step(
+        self,
+        req: FlowRequest,
+        step: PlanStep,
+        inputs: tensor_pb2.StageState,
+        *,
+        near: str,
+        then: PlanStep | None,
+        outputs: list[str],
+        stream_in: Stream | None = None,
+    ) -> StepOutput:
+        """Run `step` on its best replica, moving on when one is lost."""
+        ...
+
+
 class PlanRun:
     """One request's plan in flight: each step's output is produced once, on demand, by a task
-    that first awaits the outputs it consumes (so independent steps run concurrently)."""
+    that first awaits the outputs it consumes (so independent steps run concurrently). `calls`
+    runs the stage calls, `pool` says which roles have replicas, `cache` keeps reusable outputs."""
 
-    def __init__(self, flow: RequestFlow, req: FlowRequest, plan: Plan) -> None:
-        self.flow = flow
+    def __init__(
+        self,
+        req: FlowRequest,
+        plan: Plan,
+        *,
+        calls: StageCalls,
+        pool: ReplicaPool,
+        cache: StepCache,
+    ) -> None:
+        self.calls = calls
+        self.pool = pool
+        self.cache = cache
         self.req = req
         self.plan = plan
         self._tasks: dict[str, asyncio.Task[StepOutput]] = {}
@@ -49,7 +81,7 @@ class PlanRun:
         for task in self._tasks.values():
             task.cancel()
         for entry in self._pinned:
-            self.flow.cache.unpin(entry)
+            self.cache.unpin(entry)
         self._pinned.clear()
 
     def _count_readers(self) -> dict[str, int]:
@@ -61,7 +93,7 @@ class PlanRun:
             if step.name in needed:
                 continue
             needed.add(step.name)
-            if step.cache_key and self.flow.cache.peek(self._cache_key(step)):
+            if step.cache_key and self.cache.peek(self._cache_key(step)):
                 continue
             for producer in self._producers(step):
                 readers[producer.name] = readers.get(producer.name, 0) + 1
@@ -99,7 +131,7 @@ class PlanRun:
     def _wanted(self, step: PlanStep) -> list[str]:
         """The outputs to ask of `step`: the image in the client's format from an image result."""
         if step is self.plan.result and "image" in step.produces:
-            return self.flow.result_outputs(self.req.options)
+            return self.calls.result_outputs(self.req.options)
         return []
 
     async def _produce_streaming(self, step: PlanStep) -> StepOutput:
@@ -117,11 +149,11 @@ class PlanRun:
             inputs.tensors.extend(stream.chunks[0].tensors)
             inputs.meta.update(stream.chunks[0].meta)
         near = self._near_host(outputs)
-        producer = self.flow.pool.by_address(stream.producer)
+        producer = self.pool.by_address(stream.producer)
         if producer is not None and producer.info is not None:
             near = producer.info.host_id
         then = next(iter(self.plan.consumers(step)), None)
-        output = await self.flow.run_step(
+        output = await self.calls.run_step(
             self.req, step, inputs, near=near, then=then, outputs=self._wanted(step), stream_in=stream
         )
         for o in [*outputs, await source_task]:
@@ -140,13 +172,13 @@ class PlanRun:
             near = self._near_host(outputs)
             then = next(iter(self.plan.consumers(step)), None)
             try:
-                output = await self.flow.run_step(
+                output = await self.calls.run_step(
                     self.req, step, inputs, near=near, then=then, outputs=self._wanted(step)
                 )
             except NotFound:
                 lost = [o for o in outputs if self._lost(o)]
                 if not lost:  # a producer killed a moment ago may not be known dead yet
-                    alive = await asyncio.gather(*(self.flow.pool.probe(o.producer) for o in outputs))
+                    alive = await asyncio.gather(*(self.pool.probe(o.producer) for o in outputs))
                     lost = [o for o, up in zip(outputs, alive, strict=True) if not up]
                 if not lost or attempt == RECOMPUTES:
                     raise
@@ -184,7 +216,7 @@ class PlanRun:
     def _from_cache(self, step: PlanStep) -> StepOutput | None:
         if not step.cache_key:
             return None
-        entry = self.flow.cache.get(self._cache_key(step), step.name)
+        entry = self.cache.get(self._cache_key(step), step.name)
         if entry is None:
             return None
         self._pinned.append(entry)
@@ -194,7 +226,7 @@ class PlanRun:
         """A cacheable step's fresh output goes to the cache, which takes over its leases."""
         if not step.cache_key:
             return
-        entry = self.flow.cache.put(self._cache_key(step), step.name, output.producer, output.state)
+        entry = self.cache.put(self._cache_key(step), step.name, output.producer, output.state)
         if entry is not None:
             self.req.leases.take(output.producer, output.state)
             self._pinned.append(entry)
@@ -203,12 +235,12 @@ class PlanRun:
     def _lost(self, output: StepOutput) -> bool:
         """Whether an input may be gone: a cached one (its leases may have expired), one we
         released, or one whose producer is no longer alive."""
-        return output.cached is not None or output.released or not self.flow.pool.is_alive(output.producer)
+        return output.cached is not None or output.released or not self.pool.is_alive(output.producer)
 
     def _forget(self, output: StepOutput) -> None:
         """Drop a lost output so the next demand produces it again."""
         if output.cached is not None:
-            self.flow.cache.invalidate(output.cached)
+            self.cache.invalidate(output.cached)
         elif not output.released:
             self.req.leases.drop(output.producer, output.state)
         self._tasks.pop(output.step.name, None)
@@ -239,7 +271,7 @@ class PlanRun:
         best, host = -1, ""
         for output in outputs:
             size = sum(ref.nbytes for ref in output.state.tensors)
-            replica = self.flow.pool.by_address(output.producer)
+            replica = self.pool.by_address(output.producer)
             if size > best and replica is not None and replica.info is not None:
                 best, host = size, replica.info.host_id
         return host

@@ -20,9 +20,9 @@ import grpc
 from omni_common.errors import InvalidArgument, NotFound, Unavailable
 from omni_common.models.base import ModelFamily, roles_of
 from omni_common.models.registry import find_family
-from omni_common.runtime.auth import cluster_metadata
-from omni_common.runtime.rpc import aio_channel
-from omni_common.runtime.tls import client_settings
+from omni_common.net.auth import cluster_metadata
+from omni_common.net.rpc import aio_channel
+from omni_common.net.tls import client_settings
 from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.coordinator")

@@ -28,6 +28,7 @@ class FlowRequest:
     emit: Emit
     leases: Leases
     media: dict[str, bytes]  # the request's own inputs by tensor name ("input.image.0")
+    plan: Plan  # the request's stage calls, as its family planned them
     # Per resumable step: its latest checkpoint and the replica that holds it.
     checkpoints: dict[str, tuple[str, tensor_pb2.StageState]] = field(default_factory=dict)
     failovers: list[str] = field(default_factory=list)
@@ -36,7 +37,6 @@ class FlowRequest:
     text: list[str] = field(default_factory=list)  # the reply's text, as TextDelta events sent it
     audio_samples: int = 0  # samples sent in AudioChunk events
     audio_chunks: int = 0
-    plan: Plan | None = None
 
     @property
     def shape(self) -> tuple[object, ...]:

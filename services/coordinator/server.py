@@ -29,7 +29,7 @@ from omni_common.errors import (
 from omni_common.imaging import inspect_image
 from omni_common.models.base import Plan, input_image_name
 from omni_common.models.registry import find_family
-from omni_common.runtime.auth import Caller, api_keys, caller, cluster_tokens
+from omni_common.net.auth import Caller, api_keys, caller, cluster_tokens
 from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import advertised_address, run, serve

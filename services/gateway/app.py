@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from omni_common.client import AsyncClient
 from omni_common.errors import OmniError
-from omni_common.runtime import tracing
+from omni_common.net import tracing
 from omni_common.runtime.config import GatewayConfig
 from services.gateway.forms import form_document, parse_form
 from services.gateway.protocol import (

@@ -17,9 +17,9 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from omni_common.net.tls import plaintext_allowed, tls_settings
 from omni_common.runtime.config import GatewayConfig
 from omni_common.runtime.serve import DRAIN_GRACE_S, run
-from omni_common.runtime.tls import plaintext_allowed, tls_settings
 from services.gateway.app import GatewayState, build_app
 
 log = logging.getLogger("omnistage.gateway")
@@ -102,7 +102,7 @@ async def serve_gateway(
     """Serve the gateway until a signal or `stop`; `ready(url)` once it accepts requests."""
     app = build_app(config)
     state: GatewayState = app.state.gateway
-    # HTTPS with the service's certificate (omni_common.runtime.tls), as every gRPC port.
+    # HTTPS with the service's certificate (omni_common.net.tls), as every gRPC port.
     tls = tls_settings()
     said = "TLS" if tls.serves_tls else plaintext_allowed(config.bind_address, "gateway")
     cert = os.environ["OMNISTAGE_TLS_CERT"] if tls.serves_tls else None

@@ -19,8 +19,8 @@ from starlette.types import Receive, Scope, Send
 
 from omni_common.client import AsyncClient
 from omni_common.errors import InvalidArgument, OmniError
-from omni_common.runtime import tracing
-from omni_common.runtime.auth import API_KEY_HEADER
+from omni_common.net import tracing
+from omni_common.net.auth import API_KEY_HEADER
 from omni_common.runtime.config import GatewayConfig
 from omni_common.runtime.metrics import GatewayMetrics
 from services.gateway.protocol import MAX_BODY_BYTES, BadField, error_body
@@ -83,7 +83,7 @@ class Served:
 
 
 def credentials(request: Request) -> tuple[tuple[str, str], ...]:
-    """The caller's API key as the coordinator reads it (omni_common.runtime.auth)."""
+    """The caller's API key as the coordinator reads it (omni_common.net.auth)."""
     auth = request.headers.get("authorization", "")
     key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get(API_KEY_HEADER, "")
     return ((API_KEY_HEADER, key),) if key else ()

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni_common.errors import OmniError
-from omni_common.runtime import tracing
+from omni_common.net import tracing
 from omni_common.runtime.config import GatewayConfig
 from omnistage.v1 import coordinator_pb2 as cpb
 from services.gateway.protocol import parse_json

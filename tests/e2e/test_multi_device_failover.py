@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError, Unavailable
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.rpc import sync_channel
 from tests.conftest import assert_no_segment_added, omnistage_segments
 from tests.e2e.conftest import IMAGE_TOL, generate_all
 

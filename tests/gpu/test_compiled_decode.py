@@ -65,7 +65,7 @@ def test_a_restart_reuses_the_first_starts_decisions_and_times_nothing(
     """With a compile cache, where compiling paid is remembered: a restarted stage compiles
     the sizes that paid in the background while it serves eagerly, leaves the others eager,
     and times neither."""
-    from omni_common.runtime import compile_cache
+    from omni_common.execution import compile_cache
 
     monkeypatch.setattr(compile_cache, "_directory", tmp_path)
     first = QwenImageDecoder.load(tiny_model, DEVICE, torch.float32, compile_sizes=[(64, 64), (32, 32)])

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_common.execution import compile_cache
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.models.qwenimage.warmup import REAL_TEXT_TOKENS
-from omni_common.runtime import compile_cache
 from omni_common.runtime.memory import WeightSleeper, discover_modules
 
 pytestmark = [
@@ -256,8 +256,8 @@ def test_after_the_warm_up_real_prompt_lengths_compile_nothing_new(tiny_model: P
 
 
 def test_a_restarted_cache_follows_the_keep_decisions_of_the_first(tmp_path: Path) -> None:
-    from omni_common.runtime.compile_cache import KeepDecisions
-    from omni_common.runtime.cuda_graphs import KEEP_IF_FASTER, CudaGraphCache
+    from omni_common.execution.compile_cache import KeepDecisions
+    from omni_common.execution.cuda_graphs import KEEP_IF_FASTER, CudaGraphCache
 
     def fn(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return inputs["x"] * 2 + 1
@@ -278,7 +278,7 @@ def test_a_graph_not_kept_leaves_later_captures_working(monkeypatch) -> None:
     """The first graph timed and dropped (its replay did not pay) must not take the memory pool
     with it: later keys still capture (on an H200, every later capture failed an allocator
     assertion and ran eagerly)."""
-    from omni_common.runtime import cuda_graphs
+    from omni_common.execution import cuda_graphs
 
     def fn(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return inputs["x"] * 2 + 1

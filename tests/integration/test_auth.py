@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client
 from omni_common.errors import OmniError
-from omni_common.runtime.auth import CLUSTER_TOKEN_HEADER, INTERNAL_SERVICES
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.auth import CLUSTER_TOKEN_HEADER, INTERNAL_SERVICES
+from omni_common.net.rpc import sync_channel
 from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 from .conftest import InProcessCluster

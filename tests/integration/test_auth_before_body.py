@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from omni_common.runtime.auth import CLUSTER_TOKEN_HEADER
+from omni_common.net.auth import CLUSTER_TOKEN_HEADER
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "flood-test-token"

@@ -171,7 +171,7 @@ def test_full_dit_queue_is_resource_exhausted_with_retry_hint(busy_cluster: InPr
     )
 
     async def main() -> tuple[list[object], grpc.aio.AioRpcError | None]:
-        from omni_common.runtime.rpc import aio_channel
+        from omni_common.net.rpc import aio_channel
 
         async with aio_channel(denoiser) as channel:
             stub = stage_pb2_grpc.StageStub(channel)

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omni_common.client import Client
+from omni_common.net.auth import CLUSTER_TOKEN_HEADER
+from omni_common.net.rpc import sync_channel
 from omni_common.runtime import feeds
-from omni_common.runtime.auth import CLUSTER_TOKEN_HEADER
-from omni_common.runtime.rpc import sync_channel
 
 from .conftest import InProcessCluster
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from omni_common.client import Client
 from omni_common.errors import Cancelled, InvalidArgument, NotFound, OmniError, ResourceExhausted
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.rpc import sync_channel
 from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 SMALL = {"width": 64, "height": 64, "steps": 4, "seed": 3}

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client, generate_request
 from omni_common.errors import OmniError
-from omni_common.runtime.auth import API_KEY_HEADER, CLUSTER_TOKEN_HEADER
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.auth import API_KEY_HEADER, CLUSTER_TOKEN_HEADER
+from omni_common.net.rpc import sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from omni_common.runtime.rpc import aio_channel, aio_server
+from omni_common.net.rpc import aio_channel, aio_server
 
 KEEPALIVE_MS = 500
 

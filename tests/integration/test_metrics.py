@@ -16,7 +16,7 @@ import pytest
 from omni_common.client import Client
 from omni_common.cluster import free_port
 from omni_common.errors import NotFound
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.rpc import sync_channel
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import WORKERS, InProcessCluster, Samples, scrape
 

@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.rpc import sync_channel
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import InProcessCluster
 

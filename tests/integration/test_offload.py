@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net.rpc import sync_channel
 from omni_common.runtime.stage_control import AWAKE_SERVICE
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import InProcessCluster

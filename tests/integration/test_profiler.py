@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from omni_common.client import Client
+from omni_common.net.rpc import sync_channel
 from omni_common.runtime.profiler import owner_only_directory
-from omni_common.runtime.rpc import sync_channel
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 from .conftest import InProcessCluster

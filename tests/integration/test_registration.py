@@ -9,8 +9,8 @@ import logging
 import grpc
 import pytest
 
+from omni_common.net.rpc import aio_server
 from omni_common.runtime.registration import keep_registered
-from omni_common.runtime.rpc import aio_server
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.registry import RegistryServicer, ReplicaPool
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from omni_common.errors import InvalidArgument, NotFound
-from omni_common.runtime.rpc import aio_channel, aio_server
+from omni_common.net.rpc import aio_channel, aio_server
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, release_remote
 from omni_common.transport.remote import fetch_remote
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc

@@ -21,7 +21,7 @@ from omni_common.certs import SERVICES
 from omni_common.client import Client
 from omni_common.errors import OmniError
 from omni_common.health import check_health
-from omni_common.runtime.tls import CLUSTER_NAME, TlsSettings, bind, https_context
+from omni_common.net.tls import CLUSTER_NAME, TlsSettings, bind, https_context
 from omnistage.cli import main as cli
 
 from .conftest import InProcessCluster, InProcessGateway
@@ -173,7 +173,7 @@ def test_a_heartbeat_is_refused_unless_its_address_answers_as_the_replica_with_a
     """Replica identity (issue 38, finding 10): with TLS, a first heartbeat registers only when
     the coordinator, dialling the address it names, finds a cluster certificate there and a
     replica that says the same stage, model and address."""
-    from omni_common.runtime.rpc import sync_channel
+    from omni_common.net.rpc import sync_channel
     from omnistage.v1 import coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
     secured, _ = clusters

@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from omni_common.client import Client
-from omni_common.runtime import tracing
-from omni_common.runtime.rpc import sync_channel
+from omni_common.net import tracing
+from omni_common.net.rpc import sync_channel
 
 from .conftest import InProcessCluster, InProcessGateway
 

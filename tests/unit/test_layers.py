@@ -34,3 +34,89 @@ def test_the_check_sees_a_lazy_upward_import(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("def main():\n    from services.coordinator.server import main\n    main()\n")
     assert "services.coordinator.server" in imported_modules(module)
+
+
+# Inside omni_common, bottom-up: a layer imports only the layers listed before it (and the
+# ground: errors, limits, audio, protogen and the generated wire code).
+LAYERS = ("net", "transport", "execution", "models", "runtime")
+
+
+def _layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "omni_common" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in LAYERS else None
+
+
+def test_each_layer_of_omni_common_imports_only_the_layers_beneath_it() -> None:
+    upward = set()
+    for layer in LAYERS:
+        allowed = set(LAYERS[: LAYERS.index(layer) + 1])
+        for path in sorted((REPO / "omni_common" / layer).rglob("*.py")):
+            for module in imported_modules(path):
+                target = _layer_of(module)
+                if target is not None and target not in allowed:
+                    upward.add(f"{path.relative_to(REPO)}: {module}")
+    assert not upward, sorted(upward)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_no_two_modules_import_each_other_even_lazily() -> None:
+    """No import cycle between modules of omni_common, services and the command (lazy imports
+    inside functions count: they tie the modules as much as top-level ones)."""
+    sources = [
+        path
+        for top in ("omni_common", "services", "omnistage")
+        for path in (REPO / top).rglob("*.py")
+        if "v1" not in path.relative_to(REPO).parts
+    ]
+    names = {_module_name(path) for path in sources}
+    graph = {
+        _module_name(path): {m for m in imported_modules(path) if m in names and m != _module_name(path)}
+        for path in sources
+    }
+    # Tarjan's strongly connected components, iteratively.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    assert not cycles, cycles

@@ -28,7 +28,7 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import GenerationState, SlotGenerator
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
-from omni_common.models.qwen_omni.family import option_int
+from omni_common.models.qwen_omni.options import option_int
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64

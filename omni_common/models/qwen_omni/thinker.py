@@ -36,7 +36,7 @@ from omni_common.models.qwen_omni.checkpoint import (
     load_tokenizer,
     speaker,
 )
-from omni_common.models.qwen_omni.family import option_int, speaker_of
+from omni_common.models.qwen_omni.options import option_int, speaker_of
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64

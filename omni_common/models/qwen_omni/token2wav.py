@@ -41,7 +41,7 @@ from transformers import Qwen2_5OmniToken2WavModel
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
-from omni_common.models.qwen_omni.family import option_int, speaker_of
+from omni_common.models.qwen_omni.options import option_int, speaker_of
 
 FIRST_BLOCKS, CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 1, 3, 2, 1
 SWAY = -1.0  # Qwen2_5OmniToken2WavModel's sway_coefficient

@@ -28,7 +28,7 @@ from transformers import Qwen2_5OmniToken2WavModel
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
-from omni_common.models.qwen_omni.family import SAMPLE_RATE
+from omni_common.models.qwen_omni.options import SAMPLE_RATE
 
 CONTEXT_FRAMES = 24  # each side: within ~1 ulp of the whole mel's samples (docs/families.md)
 

@@ -16,10 +16,10 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKL
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from omni_common.errors import InvalidArgument
+from omni_common.execution.compile_cache import decisions_for
+from omni_common.execution.cuda_graphs import KEEP_IF_FASTER
 from omni_common.models.base import RoleCall, StageState
 from omni_common.models.weights import load_component
-from omni_common.runtime.compile_cache import decisions_for
-from omni_common.runtime.cuda_graphs import KEEP_IF_FASTER
 
 log = logging.getLogger("omnistage.decode")
 

@@ -30,6 +30,8 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
+from omni_common.execution.compile_cache import compile_cache_is_warm
+from omni_common.execution.cuda_graphs import Inputs
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
 from omni_common.models.latents import LatentState, LatentSteps, latent_preview, to_device
 from omni_common.models.lora import LoraLayers, RowAdapters
@@ -47,8 +49,6 @@ from omni_common.models.qwenimage.step_cache import (
 )
 from omni_common.models.qwenimage.warmup import IDLE_CAPTURE_TOKENS, WarmUp, warm_up
 from omni_common.models.weights import load_component
-from omni_common.runtime.compile_cache import compile_cache_is_warm
-from omni_common.runtime.cuda_graphs import Inputs
 
 DEFAULT_VAE_SCALE_FACTOR = 8
 

@@ -16,18 +16,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from omni_common.execution.compile_cache import decisions_for
+from omni_common.execution.cuda_graphs import CudaGraphCache, Inputs
 from omni_common.models.base import GenerationRequest, StageState
-from omni_common.models.qwenimage.family import TOKENIZER_MAX_LENGTH
-from omni_common.models.weights import load_component
-from omni_common.runtime.compile_cache import decisions_for
-from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs
-
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
-    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
-    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+from omni_common.models.qwenimage.prompt_template import (
+    PROMPT_TEMPLATE,
+    PROMPT_TEMPLATE_DROP,
+    TOKENIZER_MAX_LENGTH,
 )
-PROMPT_TEMPLATE_DROP = 34  # tokens of the system prefix, dropped from the embeddings
+from omni_common.models.weights import load_component
+
 # A lone prompt's CUDA graph (use_cuda_graphs) takes its tokens padded to a multiple of this;
 # prompts of more tokens than GRAPHED_TOKENS run eagerly.
 GRAPH_BUCKET_TOKENS = 16

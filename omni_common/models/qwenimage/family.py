@@ -19,12 +19,12 @@ from omni_common.models.base import (
     StageContext,
     StageModel,
 )
+from omni_common.models.qwenimage.prompt_template import TOKENIZER_MAX_LENGTH
 from omni_common.validation import check_options
 
 # Qwen-Image's VAE compresses 8x and the DiT packs 2x2 patches (the tiny fixture's VAE
 # compresses 4x, so 16 serves it too).
 SIZE_MULTIPLE = 16
-TOKENIZER_MAX_LENGTH = 1024  # what the pipeline's tokenizer call allows after the template
 
 # Paths are relative to the stage models (QwenImageEncoder.text_encoder, ...). The DiT's
 # embeddings, norms and projections are small (~80 MB at full size against 40 GB of

@@ -20,7 +20,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from omni_common.models.qwenimage.encode import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP
+from omni_common.models.qwenimage.prompt_template import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP
 
 SPECIAL_TOKENS = [
     "<|im_start|>",

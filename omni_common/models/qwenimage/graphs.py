@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
-from omni_common.runtime.compile_cache import decisions_for
-from omni_common.runtime.cuda_graphs import CudaGraphCache, Inputs
+from omni_common.execution.compile_cache import decisions_for
+from omni_common.execution.cuda_graphs import CudaGraphCache, Inputs
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)

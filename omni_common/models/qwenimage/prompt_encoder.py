@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from omni_common.errors import ResourceExhausted
+from omni_common.execution.batching import MicroBatcher
 from omni_common.models.base import GenerationRequest, RoleCall, StageContext, StageState
 from omni_common.models.qwenimage.encode import (
     PROMPT_TEMPLATE,
@@ -31,7 +32,6 @@ from omni_common.models.qwenimage.encode import (
     texts_of,
 )
 from omni_common.models.qwenimage.prompt_cache import CacheKey, EmbeddingCache
-from omni_common.runtime.batching import MicroBatcher
 
 log = logging.getLogger("omnistage.ar_encoder")
 LOG_STATS_EVERY = 100  # requests between two cache-statistics log lines

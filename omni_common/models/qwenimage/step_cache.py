@@ -38,9 +38,9 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 
 from omni_common.errors import FailedPrecondition, Unimplemented
+from omni_common.execution.cuda_graphs import Inputs
 from omni_common.models.base import GenerationRequest
 from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
-from omni_common.runtime.cuda_graphs import Inputs
 
 OPTION = "step_cache"
 log = logging.getLogger("omnistage.step_cache")

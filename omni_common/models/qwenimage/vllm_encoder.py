@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import Qwen2Tokenizer
 
-from omni_common.models.qwenimage.encode import PROMPT_TEMPLATE_DROP, TOKENIZER_MAX_LENGTH, template_tokens
+from omni_common.models.qwenimage.encode import template_tokens
+from omni_common.models.qwenimage.prompt_template import PROMPT_TEMPLATE_DROP, TOKENIZER_MAX_LENGTH
 
 log = logging.getLogger("omnistage.ar_encoder.vllm")
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omni_common.execution.cuda_graphs import Inputs
 from omni_common.models.qwenimage.graphs import BATCH_BUCKETS, TEXT_BUCKETS, GraphedTransformer, ImgShapes
-from omni_common.runtime.cuda_graphs import Inputs
 
 log = logging.getLogger("omnistage.warmup")
 

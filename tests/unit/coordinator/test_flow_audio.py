@@ -13,7 +13,7 @@ import torch
 
 from omni_common.audio import decode_audio
 from omni_common.models.base import Plan, PlanStep
-from omni_common.runtime.rpc import CHUNK_BYTES
+from omni_common.net.rpc import CHUNK_BYTES
 from omni_common.transport import TensorTransport, encode_inline
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from diffusers import QwenImagePipeline
 
-from omni_common.models.qwenimage.encode import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP
 from omni_common.models.qwenimage.fixture import build_tiny_fixture
+from omni_common.models.qwenimage.prompt_template import PROMPT_TEMPLATE, PROMPT_TEMPLATE_DROP
 
 
 def _hashes(root: Path) -> dict[str, str]:

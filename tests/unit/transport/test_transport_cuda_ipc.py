@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from omni_common.errors import InvalidArgument, NotFound, OmniError, PermissionDenied, ResourceExhausted
-from omni_common.runtime.rpc import aio_server
+from omni_common.net.rpc import aio_server
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, cuda_ipc, route
 from omni_common.transport import transport as transport_module
 from omni_common.transport.leases import SLOT, SLOT_BYTES

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.runtime import compile_cache
-from omni_common.runtime.compile_cache import KeepDecisions
+from omni_common.execution import compile_cache
+from omni_common.execution.compile_cache import KeepDecisions
 
 
 def test_the_caches_go_where_the_deployment_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from omni_common.errors import DeadlineExceeded, InvalidArgument, OmniError, ResourceExhausted
-from omni_common.runtime.batching import FOLLOWERS_WAIT_S, MicroBatcher
+from omni_common.execution.batching import FOLLOWERS_WAIT_S, MicroBatcher
 
 
 class Doubler:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
-from omni_common.runtime import tracing
+from omni_common.net import tracing
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741

@@ -9,8 +9,8 @@ import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from omni_common.runtime import tracing
-from omni_common.runtime.tls import TlsSettings, channel_credentials, channel_name_options, client_settings
+from omni_common.net import tracing
+from omni_common.net.tls import TlsSettings, channel_credentials, channel_name_options, client_settings
 
 # Bulk tensors never travel in one message: they go by handle, or chunked (CHUNK_BYTES).
 # The limit bounds what a peer can make us buffer; PNG results and raw chunks fit under it.
@@ -108,7 +108,7 @@ def aio_channel(
     address: str, keepalive_ms: int = KEEPALIVE_MS, metadata: Metadata = (), tls: TlsSettings | None = None
 ) -> grpc.aio.Channel:
     """An asyncio channel to `address` ("host:port") with our limits; `metadata` goes with
-    every call (omni_common.runtime.auth: the cluster token, an API key). It verifies TLS
+    every call (omni_common.net.auth: the cluster token, an API key). It verifies TLS
     against `tls` (default: this process's OMNISTAGE_TLS_CA), plaintext without a CA."""
     tls = tls or client_settings()
     kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.runtime import auth
+from omni_common.net import auth
 
 
 def test_a_token_file_lists_the_one_sent_first_then_those_also_accepted(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.runtime import tracing
+from omni_common.net import tracing
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -26,7 +26,7 @@ def test_off_by_default_nothing_is_installed(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_off_the_services_never_import_the_sdk() -> None:
     code = (
-        "import sys, omni_common.runtime.serve, omni_common.runtime.batching, services.gateway.app, "
+        "import sys, omni_common.runtime.serve, omni_common.execution.batching, services.gateway.app, "
         "services.coordinator.flow; print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
     )
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from omni_common.runtime.compile_cache import KeepDecisions
+from omni_common.execution.compile_cache import KeepDecisions
 
 log = logging.getLogger("omnistage.cuda_graphs")
 
