@@ -112,6 +112,13 @@ class KVSlots:
         self.owners[slot.index] = slot
         return slot
 
+    def reserve(self) -> None:
+        """Allocate every row at `max_tokens` now, so the buffers never move again (what CUDA
+        graphs that read them need); `acquire` then never reallocates."""
+        capacity = -(-self.max_tokens // CAPACITY_STEP) * CAPACITY_STEP
+        self.max_tokens = capacity
+        self._allocate(self.max_slots, capacity)
+
     def release(self, slot: Slot) -> None:
         """Free `slot`'s row (nothing is copied or cleared: no one reads past a row's length).
         Idempotent."""
@@ -170,7 +177,7 @@ class SlotBatch:
         return {"slot_rows": self.row_spans}
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache.update as the attention layers call it: `key`/`value` [rows, kv_heads, 1, head_dim]."""
         keys = self.slots.keys[layer_idx][self.span]

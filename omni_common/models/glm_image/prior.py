@@ -79,8 +79,11 @@ class GlmImagePrior(SlotGenerator):
         *,
         max_slots: int = MAX_SLOTS,
         max_tokens: int = MAX_TOKENS,
+        decode: str = "auto",
     ) -> None:
-        super().__init__(model.model.language_model, device, dtype, max_slots, max_tokens)
+        super().__init__(
+            model.model.language_model, device, dtype, max_slots, max_tokens, decode=decode, model=model
+        )
         self.model = model
         self.processor = processor
 
@@ -93,13 +96,14 @@ class GlmImagePrior(SlotGenerator):
         *,
         max_slots: int = MAX_SLOTS,
         max_tokens: int = MAX_TOKENS,
+        decode: str = "auto",
     ) -> GlmImagePrior:
         """Load processor/ and vision_language_encoder/ of a diffusers GLM-Image directory."""
         processor = GlmImageProcessor.from_pretrained(model_dir / "processor")
         model = load_component(
             GlmImageForConditionalGeneration, model_dir / "vision_language_encoder", device, dtype
         )
-        return cls(model, processor, device, dtype, max_slots=max_slots, max_tokens=max_tokens)
+        return cls(model, processor, device, dtype, max_slots=max_slots, max_tokens=max_tokens, decode=decode)
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> PriorState:
@@ -129,6 +133,7 @@ class GlmImagePrior(SlotGenerator):
                 target_offset=target_offset,
                 target_grid=target_grid,
             )
+            self.check_graphable(state.sampling)
             features = None
             if images:
                 source_grids = grids[: len(images)]
@@ -157,11 +162,15 @@ class GlmImagePrior(SlotGenerator):
         )
         self.fill_slot(state, cache)
         self.pick([state], output.logits)
+        self.join(state, state.decode_positions)
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
         """One decode forward for every state not done, then a token each."""
         live = [s for s in self.live(states) if isinstance(s, PriorState)]
+        if self.graphed is not None:
+            self.graphed_step(live)
+            return
         if not live:
             return
         cache = self.slots.batch([state.slot for state in live])
