@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,11 +85,17 @@ def request(i: int, new_tokens: int) -> GenerationRequest:
     return GenerationRequest(prompt=PROMPT, seed=i, options=options)
 
 
-def ours(thinker: Thinker, concurrency: int, new_tokens: int) -> dict[str, float]:
+def ours(
+    thinker: Any,
+    concurrency: int,
+    new_tokens: int,
+    make: Callable[[int, int], GenerationRequest] | None = None,
+) -> dict[str, float]:
     """Milliseconds a decode step takes with `concurrency` rows (the steady state, after the
-    bucket's graph is recorded), and a prefill's."""
+    bucket's graph is recorded), and a prefill's. `make(i, new_tokens)`: request i."""
+    make = make or request
     started = time.perf_counter()
-    states = [thinker.prepare(request(i, new_tokens), StageState({})) for i in range(concurrency)]
+    states = [thinker.prepare(make(i, new_tokens), StageState({})) for i in range(concurrency)]
     torch.cuda.synchronize()
     prefill_ms = (time.perf_counter() - started) * 1e3 / concurrency
     captures = thinker.graphed.captures if thinker.graphed else 0
@@ -100,7 +108,8 @@ def ours(thinker: Thinker, concurrency: int, new_tokens: int) -> dict[str, float
     for _ in range(steps):
         thinker.step(states)
         for state in states:
-            thinker.take_partial(state)
+            if isinstance(thinker, Thinker):
+                thinker.take_partial(state)
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - started) * 1e3 / steps
     for state in states:
@@ -226,6 +235,35 @@ def profile_step(thinker: Thinker, rows: int) -> None:
         thinker.release(state)
 
 
+def glm_prior(args: argparse.Namespace, device: torch.device, rate: float) -> None:
+    """GLM-Image's AR at real size (a random-weights directory as `omnistage fixture --family
+    glm-image --random-weights full` writes it, loaded as the stage loads it): 512x512 priors
+    (sampled, top-k 50 as the model's generation config), EOS off."""
+    from omni_common.models.glm_image.prior import GlmImagePrior
+    from omni_common.models.glm_image.random_model import write_random_model
+
+    model_dir = write_random_model(Path(tempfile.mkdtemp()) / "glm-image", full_size=True)
+    prior = GlmImagePrior.load(
+        model_dir, device, torch.bfloat16, max_slots=max(args.concurrency), max_tokens=2048, decode="graphs"
+    )
+    prior.model.generation_config.eos_token_id = None
+    floor_ms = step_bytes(prior.model) / rate * 1e3
+    emit(part="glm floor", step_bytes=step_bytes(prior.model), floor_ms=round(floor_ms, 3))
+
+    def make(i: int, new_tokens: int) -> GenerationRequest:
+        return GenerationRequest(prompt=PROMPT[: 40 + i], width=512, height=512, seed=i)
+
+    for concurrency in args.concurrency:
+        found = ours(prior, concurrency, 200, make)
+        emit(
+            part="omnistage graphed glm-image AR",
+            concurrency=concurrency,
+            **{k: round(v, 3) for k, v in found.items()},
+            ms_per_token=round(found["step_ms"] / concurrency, 3),
+            over_floor=round(found["step_ms"] / floor_ms, 2),
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,14 +275,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention", nargs="*", default=["flex"], help="graphed decode's attention: flex padded"
     )
-    parser.add_argument("--skip", nargs="*", default=[], help="parts to skip: attention eager generate")
-    parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="parts to skip: attention thinker eager generate"
+    )
+    parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     emit(machine=torch.cuda.get_device_name(device), torch=torch.__version__)
     if "attention" not in args.skip:
         for rows in args.concurrency:
             emit(part="attention", rows=rows, ms_per_step_28_layers=attention_ms(rows, device))
+    if "glm" in args.parts:
+        glm_prior(args, device, bandwidth())
+    if "thinker" in args.skip:
+        return
     model = build_thinker(device)
     floor_bytes, rate = step_bytes(model), bandwidth()
     emit(

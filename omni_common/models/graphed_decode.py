@@ -37,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from omni_common.models.fused_projections import fuse_projections
 from omni_common.models.kv_slots import KVSlots
 
 GRAPHED_ATTENTION = "omnistage_graphed_rows"
@@ -172,13 +173,18 @@ class GraphedDecode:
         keep_rows: bool = False,
         attention: str = "flex",
         compile: bool = True,
+        fuse: bool = True,
     ) -> None:
         """`compile`: on CUDA, compile the forward (fusing its many small kernels) before it is
-        recorded; a graph of eager kernels spends ~3 ms a step in their launches' gaps."""
+        recorded; a graph of eager kernels spends ~3 ms a step in their launches' gaps. `fuse`:
+        on CUDA, run each layer's q/k/v and gate/up projections as one product each
+        (fused_projections.py; prefills then run them so too)."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
         self.model = model
         self.decoder = decoder_of(model)
+        if fuse and slots.device.type == "cuda":
+            fuse_projections(self.decoder)
         self.lm_head = cast(torch.nn.Module, model.get_output_embeddings())  # type: ignore[operator]
         self.slots = slots
         # FlexAttention is a compiled (Triton) kernel: off CUDA the padded form checks the step.

@@ -35,7 +35,9 @@ def request(i: int) -> GenerationRequest:
     return GenerationRequest(prompt=PROMPTS[i % len(PROMPTS)], width=64, height=64, seed=i)
 
 
-def run(prior: GlmImagePrior, joins: Sequence[tuple[int, int]], cancel: dict[int, int]) -> dict[int, list[int]]:
+def run(
+    prior: GlmImagePrior, joins: Sequence[tuple[int, int]], cancel: dict[int, int]
+) -> dict[int, list[int]]:
     """Requests i joining at step s ((i, s) in `joins`), `cancel` {i: step} released then; each
     request's tokens (of those not cancelled)."""
     states: dict[int, PriorState] = {}
@@ -58,7 +60,9 @@ def test_joins_leaves_and_cancel_across_buckets_pick_the_eager_tokens_and_record
     glm_dir: Path,
 ) -> None:
     eager = GlmImagePrior.load(glm_dir, DEVICE, torch.float32, max_slots=8, max_tokens=1024, decode="eager")
-    graphed = GlmImagePrior.load(glm_dir, DEVICE, torch.float32, max_slots=8, max_tokens=1024, decode="graphs")
+    graphed = GlmImagePrior.load(
+        glm_dir, DEVICE, torch.float32, max_slots=8, max_tokens=1024, decode="graphs"
+    )
     assert graphed.graphed is not None
     # 1 row, then 2 (bucket 2), then 5 (bucket 8): joins mid-decode; request 1 leaves early.
     joins = [(0, 0), (1, 3), (2, 10), (3, 10), (4, 11), (5, 40)]

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
 
 from omni_common.errors import InvalidArgument
+from omni_common.models.weights import random_weights_seed, seeded_build
 
 SPEAKERS_FILE = "spk_dict.pt"
 
@@ -33,7 +34,10 @@ def load_part(
     cls: Any, config: Any, model_dir: Path, prefix: str, device: torch.device, dtype: torch.dtype
 ) -> Any:
     """Sub-model `cls` built from `config` with the checkpoint's `prefix.` weights, in `dtype` on
-    `device`, eval mode, SDPA attention."""
+    `device`, eval mode, SDPA attention. A random-weights directory (random_model.py) gets
+    seeded weights built in place on `device` (the same in every process)."""
+    if random_weights_seed(model_dir) is not None:
+        return build_random(cls, config, model_dir, prefix, device, dtype)
     model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(model_dir):
@@ -49,6 +53,17 @@ def load_part(
         )
     module: torch.nn.Module = model
     return module.to(device=device, dtype=dtype).eval()
+
+
+def build_random(
+    cls: Any, config: Any, model_dir: Path, prefix: str, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """`cls` with seeded random weights (per `prefix`), built on `device` in `dtype`."""
+    seed = random_weights_seed(model_dir)
+    assert seed is not None
+    with seeded_build(seed, prefix, device, dtype):
+        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
 
 
 def load_speakers(model_dir: Path) -> dict[str, dict[str, Any]]:
