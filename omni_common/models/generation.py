@@ -15,7 +15,7 @@ import torch
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import StageState, StepState
-from omni_common.models.graphed_decode import GraphedDecode, Launched, use_graphed_attention
+from omni_common.models.graphed_decode import GraphedDecode, Launched, decoder_of, use_graphed_attention
 from omni_common.models.kv_slots import KVSlots, Slot, use_slot_attention
 from omni_common.models.sampling import Sampling, pick_tokens
 
@@ -80,6 +80,8 @@ class SlotGenerator:
         """`model`: what the graphed decode runs (its decoder and output head), needed for
         decode "graphs"; `position_rows`: the rows of its rope positions; `keep_rows`: also keep
         each step's last hidden + input embedding (`Launched.extra["rows"]`)."""
+        # The decoder itself: transformers 5.21+ nests the thinker's under a multimodal wrapper.
+        text_model = decoder_of(text_model)
         use_slot_attention(text_model)
         config = text_model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -35,7 +35,7 @@ from transformers import DynamicCache, GlmImageForConditionalGeneration, GlmImag
 
 from omni_common.errors import OmniError
 from omni_common.models.base import GenerationRequest, StageState, StepState
-from omni_common.models.generation import GenerationState, SlotGenerator
+from omni_common.models.generation import GenerationState, SlotGenerator, decode_mode
 from omni_common.models.glm_image.prior_inputs import (
     condition_images,
     eos_ids,
@@ -49,6 +49,9 @@ from omni_common.models.weights import load_component
 MAX_SLOTS = 8  # requests in flight (the step scheduler's default batch)
 # Per request: the largest image (2048x2048: 4,096 + 256 preview tokens) plus its prompt.
 MAX_TOKENS = 8192
+# The graphed decode reserves every slot's KV up front (40 KiB a token at real size): 64 slots
+# x 5,120 tokens is 12.5 GiB on the GPU (a 2048x2048 prior and a prompt of up to ~760 tokens).
+GRAPHED_MAX_TOKENS = 5120
 
 
 @dataclass(kw_only=True, eq=False)
@@ -95,7 +98,7 @@ class GlmImagePrior(SlotGenerator):
         dtype: torch.dtype,
         *,
         max_slots: int = MAX_SLOTS,
-        max_tokens: int = MAX_TOKENS,
+        max_tokens: int | None = None,
         decode: str = "auto",
     ) -> GlmImagePrior:
         """Load processor/ and vision_language_encoder/ of a diffusers GLM-Image directory."""
@@ -103,6 +106,8 @@ class GlmImagePrior(SlotGenerator):
         model = load_component(
             GlmImageForConditionalGeneration, model_dir / "vision_language_encoder", device, dtype
         )
+        if max_tokens is None:
+            max_tokens = GRAPHED_MAX_TOKENS if decode_mode(decode, device) == "graphs" else MAX_TOKENS
         return cls(model, processor, device, dtype, max_slots=max_slots, max_tokens=max_tokens, decode=decode)
 
     @torch.no_grad()

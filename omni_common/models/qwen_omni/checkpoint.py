@@ -45,6 +45,7 @@ def load_part(
             for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if key.startswith(prefix + "."):
                     state[key[len(prefix) + 1 :]] = weights.get_tensor(key)
+    state = _renamed(state, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(
@@ -53,6 +54,21 @@ def load_part(
         )
     module: torch.nn.Module = model
     return module.to(device=device, dtype=dtype).eval()
+
+
+def _renamed(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
+    """`state` with each key the model does not have renamed to the one it has under a
+    sub-module prefix: transformers 5.21 moved the thinker's towers and text model under
+    `.model` (checkpoints keep `audio_tower.*` and `model.layers.*`, the module wants
+    `model.audio_tower.*` and `model.language_model.layers.*`)."""
+    renamed = {}
+    for key, tensor in state.items():
+        if key not in expected:
+            inner = key.removeprefix("model.")
+            candidates = [f"model.{key}", f"model.language_model.{inner}"]
+            key = next((name for name in candidates if name in expected), key)
+        renamed[key] = tensor
+    return renamed
 
 
 def build_random(
