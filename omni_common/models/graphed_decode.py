@@ -161,7 +161,8 @@ class Launched:
 
 class GraphedDecode:
     """Decode steps of one decoder over KVSlots' rows, recorded per batch bucket and sampling
-    key. `join` a slot after its prefill, `launch` a step, `collect` the previous step."""
+    key. `join` a slot after its prefill, then `launch` steps; the caller reads each step's
+    `Launched` once its event has passed (SlotGenerator.graphed_step: a step late)."""
 
     def __init__(
         self,
@@ -211,7 +212,6 @@ class GraphedDecode:
         self.active = torch.zeros(slot_count, dtype=torch.long, device=device)
         # Rope positions of each slot's picked tokens: [slots, position_rows, max_steps].
         self.rope = torch.zeros(slot_count, position_rows, max_steps, dtype=torch.long, device=device)
-        self.picked = torch.zeros(slot_count, dtype=torch.long, device=device)
         self.generators = [torch.Generator(device) for _ in range(slot_count)]
         # Per (bucket, sampling key): the recorded step and its outputs (None, {} off CUDA).
         self.graphs: dict[

@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from transformers import ByT5Tokenizer, GlmImageConfig, T5Config
 
 from omni_common.models.glm_image.fixture import build_processor, build_tiny_fixture
@@ -47,7 +49,7 @@ TEXT_ROPE = {
     },
 }
 # google/byt5-small's encoder (d_model 1472 = the DiT's text_embed_dim).
-BYT5_SMALL = {
+BYT5_SMALL: dict[str, Any] = {
     "vocab_size": 384,
     "d_model": 1472,
     "d_kv": 64,
