@@ -5,15 +5,21 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1
 
+# The lock pins torch's CPU build (2.13.0+cpu), which PyPI does not serve: point pip at an index
+# or a folder of wheels that has it (docker build --build-arg PIP_EXTRA_INDEX_URL=... or
+# PIP_FIND_LINKS=...). Every other package comes from PyPI, checked against the lock's hashes.
+ARG PIP_EXTRA_INDEX_URL=""
+ARG PIP_FIND_LINKS=""
+
 WORKDIR /app
+COPY requirements/run.lock ./requirements/run.lock
+RUN pip install --require-hashes --no-deps -r requirements/run.lock
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY omnistage ./omnistage
 COPY omni_common ./omni_common
 COPY services ./services
-# torch comes from PyPI with the project's range (a CUDA build on x86_64, which also runs on
-# CPU); pre-install a CPU wheel first for a smaller CPU-only image.
-RUN pip install .
+RUN pip install --no-deps --no-build-isolation .
 
 # Models are mounted at /models (see docker-compose.yml); nothing is downloaded at run time.
 EXPOSE 50051 50061 50062 50063 8000

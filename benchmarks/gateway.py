@@ -3,6 +3,7 @@ requests per second it sustains at a concurrency of 32, next to the coordinator'
 cluster of real processes on loopback (the digits model, 32x32), in one run.
 
     python benchmarks/gateway.py [--steps 20] [--runs 30] [--concurrency 32] [--requests 256]
+    python benchmarks/gateway.py --speech [--model DIR | --coordinator HOST:PORT] [--runs 30]
 
 Latency: one request at a time, the two sides alternating request by request; each returns
 the PNG file bytes to the caller (gRPC: the Result's bytes; HTTP: POST
@@ -10,6 +11,12 @@ the PNG file bytes to the caller (gRPC: the Result's bytes; HTTP: POST
 through `--concurrency` workers (HTTP/1.1 keep-alive connections; one gRPC channel), each
 side alone, the sides alternating for `--rounds` rounds (median). Prints one JSON line per
 side and test, then one with the ratios.
+
+Speech (`--speech`): a model that speaks (a Qwen2.5-Omni directory, or a running coordinator
+that serves one), one reply at a time, the sides alternating: the SDK's Generate stream
+against POST /v1/audio/speech (`response_format` pcm, streamed), each timed to its first
+audio bytes and to its end. Prints each side's percentiles, then the gateway's added first
+audio (p50, paired by request) and its whole-reply ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
 
+from omni_common.chat import chat_request
 from omni_common.client import AsyncClient, Client, generate_request
 from omni_common.cluster import LOOPBACK, LocalCluster, LocalProcess, free_port, loopback_plan
 from services.gateway.protocol import LAST_STEP_ONLY
@@ -36,6 +44,8 @@ from services.gateway.protocol import LAST_STEP_ONLY
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "qwen-image-digits"
 PROMPT = "a handwritten digit seven"
+OMNI_MODEL = REPO / "models" / "qwen-omni-tiny"  # `omnistage fixture --family qwen2.5-omni`
+SPEECH_PROMPT = "Tell me a short story."
 
 
 def gateway_process(coordinator: str) -> LocalProcess:
@@ -138,8 +148,73 @@ async def throughput_gateway(url: str, steps: int, concurrency: int, total: int)
         return total / (time.perf_counter() - started)
 
 
+def speech_times(url: str, coordinator: str, runs: int, warmup: int, options: dict[str, int]):  # type: ignore[no-untyped-def]
+    """Per side, each reply's (ms to its first audio, ms to its end)."""
+    times: dict[str, list[tuple[float, float]]] = {"coordinator": [], "gateway": []}
+    with Client(coordinator) as client, httpx.Client(timeout=300) as http:
+
+        def direct(seed: int) -> tuple[float, float]:
+            started, first = time.perf_counter(), 0.0
+            request = chat_request(SPEECH_PROMPT, seed=seed, audio_format="pcm16", options=options)
+            for event in client.stream(request):
+                if event.HasField("audio") and not first:
+                    first = time.perf_counter()
+            return (first - started) * 1e3, (time.perf_counter() - started) * 1e3
+
+        def through_gateway(seed: int) -> tuple[float, float]:
+            started, first = time.perf_counter(), 0.0
+            body = {"input": SPEECH_PROMPT, "response_format": "pcm", "seed": seed, "options": options}
+            with http.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+                response.raise_for_status()
+                for chunk in response.iter_raw():
+                    if chunk and not first:
+                        first = time.perf_counter()
+            return (first - started) * 1e3, (time.perf_counter() - started) * 1e3
+
+        for i in range(warmup + runs):
+            for side, call in (("coordinator", direct), ("gateway", through_gateway)):
+                pair = call(i)
+                if i >= warmup:
+                    times[side].append(pair)
+    return times
+
+
+def speech_main(args: argparse.Namespace) -> None:
+    options = {"max_new_tokens": args.max_new_tokens, "talker_max_new_tokens": args.talker_max_new_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = [] if args.coordinator else loopback_plan(Path(args.model))
+        coordinator = args.coordinator or plan[0].health_address
+        plan.append(gateway_process(coordinator))
+        with LocalCluster(plan, log_dir=Path(tmp) / "logs") as cluster:
+            times = speech_times(cluster.gateway, coordinator, args.runs, args.warmup, options)
+    common = {"bench": "gateway-speech", "runs": args.runs, "cpus": os.cpu_count(), **options}
+    for side, pairs in times.items():
+        first = percentiles([f for f, _ in pairs])
+        whole = percentiles([t for _, t in pairs])
+        print(json.dumps({**common, "side": side, "first_audio": first, "whole_reply": whole}))
+    gateway, direct = times["gateway"], times["coordinator"]
+    whole_ratio = statistics.median(g for _, g in gateway) / statistics.median(d for _, d in direct)
+    summary = {
+        **common,
+        "added_first_audio_p50_ms_paired": round(
+            statistics.median(g[0] - d[0] for g, d in zip(gateway, direct, strict=True)), 3
+        ),
+        "whole_reply_ratio_p50": round(whole_ratio, 4),
+    }
+    print(json.dumps(summary), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--speech", action="store_true", help="time speech (first audio, whole reply)")
+    parser.add_argument(
+        "--model", default=str(OMNI_MODEL), help="with --speech: the speaking model's directory"
+    )
+    parser.add_argument(
+        "--coordinator", default="", help="with --speech: a running coordinator to use instead"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--talker-max-new-tokens", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
@@ -147,6 +222,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds per side (median)")
     args = parser.parse_args()
+    if args.speech:
+        speech_main(args)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         plan = loopback_plan(MODEL)

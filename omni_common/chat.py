@@ -62,8 +62,15 @@ class Reply:
     def seconds(self) -> float:
         return len(self.audio) / self.sample_rate if self.sample_rate else 0.0
 
+    @property
+    def spoken(self) -> bool:
+        """Whether the reply has audio (False for a text-only one: the `audio` option 0)."""
+        return self.sample_rate > 0 and len(self.audio) > 0
+
     def save(self, path: str | Path) -> None:
-        """The audio as a 16-bit mono WAV file."""
+        """The audio as a 16-bit mono WAV file; ValueError (and no file) for a text-only reply."""
+        if not self.spoken:
+            raise ValueError("the reply has no audio to save: it was not spoken (option audio=0)")
         write_wav(Path(path), self.audio, self.sample_rate)
 
 

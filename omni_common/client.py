@@ -72,9 +72,9 @@ def generate_request(
     prompt: str,
     *,
     negative_prompt: str = "",
-    width: int = 1024,
-    height: int = 1024,
-    steps: int = 50,
+    width: int | None = None,
+    height: int | None = None,
+    steps: int | None = None,
     guidance: float | None = None,
     seed: int = 0,
     model: str = "",
@@ -89,8 +89,9 @@ def generate_request(
     loras: Sequence[LoraLike] = (),
 ) -> cpb.GenerateRequest:
     """The GenerateRequest for these arguments (guidance is the model's guidance scale:
-    diffusers' true_cfg_scale for Qwen-Image, guidance_scale for GLM-Image; None takes the
-    model's default; image_format "rgb8" sends raw pixels, "png" a PNG file; loras names the
+    diffusers' true_cfg_scale for Qwen-Image, guidance_scale for GLM-Image; width, height,
+    steps and guidance left None take the model's own defaults, `omnistage models` lists them;
+    image_format "rgb8" sends raw pixels, "png" a PNG file; loras names the
     DiT's LoRA adapters in order, each a name (its added scale) or (name, scale))."""
     formats = {"png": cpb.IMAGE_FORMAT_PNG, "rgb8": cpb.IMAGE_FORMAT_RGB8}
     if image_format not in formats:
@@ -101,7 +102,7 @@ def generate_request(
         negative_prompt=negative_prompt,
         width=width,
         height=height,
-        num_inference_steps=steps,
+        num_inference_steps=steps,  # None leaves the field unset: the coordinator fills it
         seed=seed,
         max_sequence_length=max_sequence_length,
         options={name: str(value) for name, value in (options or {}).items()},
@@ -300,9 +301,9 @@ class Client(_Connection):
         self,
         prompt: str,
         negative_prompt: str = "",
-        width: int = 1024,
-        height: int = 1024,
-        steps: int = 50,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
         guidance: float | None = None,
         seed: int = 0,
         **kwargs: object,
@@ -321,9 +322,13 @@ class Client(_Connection):
         ).image
 
     def cancel(self, request_id: str) -> bool:
+        """True when the request was in flight and is now being cancelled; False when no
+        request of this key has that id in flight (the server says NOT_FOUND)."""
         try:
             return bool(self._stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=10).cancelled)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
             raise error_from_rpc(err) from None
 
     def list_models(self) -> list[cpb.ModelInfo]:
@@ -393,9 +398,9 @@ class AsyncClient(_Connection):
         self,
         prompt: str,
         negative_prompt: str = "",
-        width: int = 1024,
-        height: int = 1024,
-        steps: int = 50,
+        width: int | None = None,
+        height: int | None = None,
+        steps: int | None = None,
         guidance: float | None = None,
         seed: int = 0,
         **kwargs: object,
@@ -416,6 +421,8 @@ class AsyncClient(_Connection):
         try:
             response = await self._stub.Cancel(cpb.CancelRequest(request_id=request_id), timeout=10)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:  # none of this key's: as the sync cancel
+                return False
             raise error_from_rpc(err) from None
         return bool(response.cancelled)
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -162,6 +163,11 @@ def _moved(health_address: str, by: int) -> tuple[str, str]:
 class LocalCluster:
     """Starts a plan's processes, waits for health, stops them all (SIGTERM, then SIGKILL)."""
 
+    # Every process any LocalCluster of this interpreter started, their children included
+    # (a replica's device workers): what the tests' shared-memory leak checks call their own,
+    # so that another omnistage on the host never fails them.
+    started: ClassVar[set[int]] = set()
+
     def __init__(
         self, plan: list[LocalProcess], log_dir: Path | None = None, start_timeout_s: float = 180.0
     ) -> None:
@@ -170,6 +176,7 @@ class LocalCluster:
         self.start_timeout_s = start_timeout_s
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.token_file: Path | None = None  # the cluster token this launcher made, if any
+        self.pids: set[int] = set()  # this cluster's processes and their children, dead ones too
 
     def __enter__(self) -> LocalCluster:
         self.start(self.start_timeout_s)
@@ -201,6 +208,7 @@ class LocalCluster:
             for proc in self.plan:
                 self.wait_healthy(proc, timeout_s)
             self.wait_registered(timeout_s)
+            self._note_children()  # device workers start with their replica, before it is healthy
         except BaseException:
             self.stop()
             raise
@@ -234,6 +242,15 @@ class LocalCluster:
                     )
                 time.sleep(0.1)
 
+    def _cause(self, name: str) -> str:
+        """': ' and the last line `name` wrote (its log's), or where to look without a log."""
+        if self.log_dir is None:
+            return " (its output above says why)"
+        path = self.log_dir / f"{name}.log"
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return f": {last[:300]} (log: {path})" if last else f" (log: {path})"
+
     def _log_tails(self, lines: int = 15) -> str:
         """The last lines of every process's log, for an error that says why a start failed."""
         if self.log_dir is None:
@@ -251,6 +268,12 @@ class LocalCluster:
         self.plan.append(proc)
         self._spawn(proc)
         self.wait_healthy(proc, timeout_s)
+        self._note_children()
+
+    def _note_children(self) -> None:
+        """Add the live descendants of this cluster's processes to `pids` (and `started`)."""
+        self.pids |= descendants(self.pids)
+        LocalCluster.started.update(self.pids)
 
     def _make_token(self) -> None:
         """Internal RPCs of a local cluster need a token too (omni_common.runtime.auth): a
@@ -288,11 +311,11 @@ class LocalCluster:
         env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
         if self.token_file is not None:
             env["OMNISTAGE_CLUSTER_TOKEN_FILE"] = str(self.token_file)
-        if "OMNISTAGE_THREADS" not in env and _is_stage(proc):
+        if "OMNISTAGE_THREADS" not in env and is_stage(proc):
             # Stage processes on one host share its cores: torch in each taking all of them
             # oversubscribes the CPU as soon as stages overlap (measured on 2 cores, 64x64,
             # 8 concurrent requests: 4.8 images/s with 2 threads per stage, 26 with 1).
-            stages = sum(_is_stage(p) for p in self.plan)
+            stages = sum(is_stage(p) for p in self.plan)
             env["OMNISTAGE_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(stages, 1)))
         out = None
         if self.log_dir is not None:
@@ -305,6 +328,8 @@ class LocalCluster:
             stderr=subprocess.STDOUT if out else None,
             start_new_session=True,
         )
+        self.pids.add(self.processes[proc.name].pid)
+        LocalCluster.started.add(self.processes[proc.name].pid)
 
     def wait_healthy(self, proc: LocalProcess, timeout_s: float) -> None:
         from omni_common.health import check_health
@@ -312,16 +337,21 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         popen = self.processes[proc.name]
         while not check_health(proc.health_address, timeout_s=1.0, tls=self.client_tls(proc)):
+            # The first line names the service and the cause (a failed service's last line is
+            # its one-line error, `omnistage serve`'s); the log tails below it are for tests.
             if popen.poll() is not None:
                 raise Unavailable(
-                    f"{proc.name} exited with status {popen.returncode} while starting{self._log_tails()}"
+                    f"{proc.name} exited with status {popen.returncode} while starting"
+                    f"{self._cause(proc.name)}{self._log_tails()}"
                 )
             if time.monotonic() > deadline:
-                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{self._log_tails()}")
+                cause = self._cause(proc.name)
+                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{cause}{self._log_tails()}")
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 40.0) -> None:
         """SIGTERM in reverse start order; SIGKILL whatever outlives the grace period."""
+        self._note_children()
         for popen in reversed(list(self.processes.values())):
             if popen.poll() is None:
                 popen.send_signal(signal.SIGTERM)
@@ -338,12 +368,34 @@ class LocalCluster:
             self.token_file = None
 
 
+def descendants(roots: set[int]) -> set[int]:
+    """The live processes below `roots` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        parent = int(stat[stat.rindex(b")") + 2 :].split()[1])  # the field after the state
+        children.setdefault(parent, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def _write_token(fd: int) -> None:
     with os.fdopen(fd, "w") as file:
         file.write(secrets.token_urlsafe(32) + "\n")
 
 
-def _is_stage(proc: LocalProcess) -> bool:
+def is_stage(proc: LocalProcess) -> bool:
     return "serve" in proc.argv and proc.argv[-1] in ("ar-encoder", "dit-denoise", "vae-decode")
 
 

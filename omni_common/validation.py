@@ -10,20 +10,23 @@ import re
 from collections.abc import Mapping, Sequence
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
+from omni_common.limits import (  # noqa: F401  (re-exported: callers import them from here)
+    MAX_CFG,
+    MAX_LORA_SCALE,
+    MAX_LORAS,
+    MAX_OPTION_CHARS,
+    MAX_OPTIONS,
+    MAX_PIXELS,
+    MAX_PROMPT_CHARS,
+    MAX_SEQUENCE_LENGTH,
+    MAX_SIDE,
+    MAX_STEPS,
+)
 from omni_common.models.base import GenerationRequest, ImageInput, ModelCard, OptionSpec
 from omni_common.models.lora import NAME_PATTERN as LORA_NAME
+from omni_common.models.lora import check_scale
 from omnistage.v1 import stage_pb2
 
-MAX_PROMPT_CHARS = 10_000
-MAX_SIDE = 4096
-MAX_PIXELS = 4 * 1024 * 1024
-MAX_STEPS = 1000
-MAX_CFG = 100.0
-MAX_SEQUENCE_LENGTH = 4096  # the families cap it lower (Qwen-Image: 1024)
-MAX_OPTIONS = 32
-MAX_OPTION_CHARS = 64
-MAX_LORAS = 8
-MAX_LORA_SCALE = 100.0
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 DEFAULT_SIDE = 1024
@@ -47,20 +50,32 @@ DEFAULTS: dict[str, float] = {
 }
 
 
-def defaults_for(card: ModelCard | None = None) -> dict[str, float]:
-    """The defaults of the optional fields for a model: omnistage's, then its family's."""
-    return {**DEFAULTS, **(card.defaults if card is not None else {})}
+def defaults_for(card: ModelCard | None = None, model: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The defaults of the optional fields for a model: omnistage's, then its family's, then
+    the model directory's own (omni_common.models.model_defaults), each overriding the last."""
+    return {**DEFAULTS, **(card.defaults if card is not None else {}), **(model or {})}
+
+
+def option_defaults_for(card: ModelCard, model: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The value each family option takes when a request does not give it: the model's own
+    default, else the family's."""
+    return {spec.name: (model or {}).get(spec.name, spec.default) for spec in card.options}
 
 
 def with_defaults(
-    params: stage_pb2.GenerationParams, defaults: Mapping[str, float] = DEFAULTS
+    params: stage_pb2.GenerationParams,
+    defaults: Mapping[str, float] = DEFAULTS,
+    options: Mapping[str, str] | None = None,
 ) -> stage_pb2.GenerationParams:
-    """Fill unset optional fields with `defaults` (a copy; the input is unchanged)."""
+    """Fill unset optional fields with `defaults`, and family options the request does not give
+    with `options` (a copy; the input is unchanged)."""
     out = stage_pb2.GenerationParams()
     out.CopyFrom(params)
     for name, value in defaults.items():
         if not params.HasField(name):
             setattr(out, name, type(getattr(out, name))(value))
+    for name, text in (options or {}).items():
+        out.options.setdefault(name, text)
     return out
 
 
@@ -155,11 +170,8 @@ def check_loras(loras: Sequence[stage_pb2.LoraRef]) -> tuple[tuple[str, float | 
         if any(name == ref.name for name, _ in out):
             raise InvalidArgument(f"LoRA adapter {ref.name!r} is named twice")
         scale = ref.scale if ref.HasField("scale") else None
-        if scale is not None and (not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE):
-            raise InvalidArgument(
-                f"LoRA scale of {ref.name!r} is {scale}; it must be finite, in "
-                f"[-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]"
-            )
+        if scale is not None:
+            check_scale(scale, f"LoRA scale of {ref.name!r}")
         out.append((ref.name, scale))
     return tuple(out)
 

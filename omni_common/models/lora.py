@@ -39,7 +39,9 @@ from pathlib import Path
 import torch
 
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from omni_common.models.weights import local_path, read_safetensors
+from omni_common.limits import MAX_LORA_SCALE
+from omni_common.models.checked_files import SafetensorsHeader, is_directory
+from omni_common.models.weights import local_path, read_safetensors, safetensors_in
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # PEFT's and diffusers' file name in an adapter directory.
@@ -61,22 +63,29 @@ def check_name(name: str) -> str:
     return name
 
 
-def adapter_file(path: Path) -> Path:
-    """The safetensors file of an adapter: the file itself, or in a directory PEFT's
-    `pytorch_lora_weights.safetensors` or its only `*.safetensors`."""
-    path = local_path(path, "LoRA adapter file or directory")
-    if path.is_file():
-        return path
-    if path.is_dir():
-        if (path / LORA_FILE).is_file():
-            return path / LORA_FILE
-        found = sorted(path.glob("*.safetensors"))
-        if len(found) == 1:
-            return found[0]
+def check_scale(scale: float, what: str = "adapter scale") -> float:
+    """A LoRA scale within the one limit requests and AddLora share (omni_common/limits.py)."""
+    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
         raise InvalidArgument(
-            f"adapter directory {path.name!r} holds {len(found)} .safetensors files; name one"
+            f"{what} is {scale}; it must be finite, in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}]"
         )
-    raise NotFound(f"no adapter file or directory at {str(path)[:200]!r}")  # removed meanwhile
+    return scale
+
+
+def adapter_file(path: Path, root: Path | None = None) -> Path:
+    """The safetensors file of an adapter, resolved inside `root` when there is one: the file
+    itself, or in a directory PEFT's `pytorch_lora_weights.safetensors` or its only
+    `*.safetensors`. What the file is gets checked when it is opened (a FIFO named like an
+    adapter never blocks: checked_files.open_regular)."""
+    what = "LoRA adapter file or directory"
+    path = local_path(path, what, root)
+    if not is_directory(path):
+        return path
+    found = safetensors_in(path, root, what)
+    preferred = [p for p in found if p.name == LORA_FILE]
+    if preferred or len(found) == 1:
+        return (preferred or found)[0]
+    raise InvalidArgument(f"adapter directory {path.name!r} holds {len(found)} .safetensors files; name one")
 
 
 def lora_alpha(metadata: dict[str, str]) -> float | None:
@@ -173,12 +182,14 @@ class LoraLayers:
         """Load an adapter file under `name` (replacing an unused adapter of that name)."""
         return self.put(self.read(name, path, scale, pinned))
 
-    def read(self, name: str, path: Path, scale: float = 1.0, pinned: bool = False) -> LoraAdapter:
-        """Read and check an adapter file (any thread: it touches no loaded adapter)."""
+    def read(
+        self, name: str, path: Path, scale: float = 1.0, pinned: bool = False, root: Path | None = None
+    ) -> LoraAdapter:
+        """Read and check an adapter file (any thread: it touches no loaded adapter); `path`
+        must lie inside `root` when there is one (AddLora: StageConfig.control_root)."""
         check_name(name)
-        if not math.isfinite(scale):
-            raise InvalidArgument(f"adapter scale {scale} is not finite")
-        return self._read(name, path, scale, pinned)
+        check_scale(scale)
+        return self._read(name, path, scale, pinned, root)
 
     def put(self, adapter: LoraAdapter) -> LoraInfo:
         """Install a read adapter, replacing an unused one of its name."""
@@ -191,6 +202,12 @@ class LoraLayers:
             self._drop(old)
         self._install(adapter)
         return self.info(adapter)
+
+    def install_if_absent(self, adapter: LoraAdapter) -> None:
+        """`put`, unless an adapter of its name arrived meanwhile (two requests naming one
+        adapter of the directory read it at once; the first installed wins)."""
+        if adapter.name not in self.adapters:
+            self.put(adapter)
 
     def remove(self, name: str) -> None:
         adapter = self._get(name)
@@ -279,22 +296,32 @@ class LoraLayers:
         return adapter
 
     def _load_on_demand(self, name: str) -> LoraAdapter:
+        adapter = self.read_from_directory(name)
+        self._install(adapter)
+        return adapter
+
+    def read_from_directory(self, name: str) -> LoraAdapter:
+        """Read adapter `name` from the adapter directory (any thread: a request's adapters
+        are read off the compute thread before it is prepared, Worker.preload_loras). The
+        name and every entry the directory hands out resolve inside it: a symlink leading
+        out, like a missing adapter, is NOT_FOUND."""
         check_name(name)
         if self.directory is None:
             raise NotFound(
                 f"adapter {name!r} is not loaded on this replica (and it has no adapter directory)"
             )
-        candidates = [self.directory / f"{name}.safetensors", self.directory / name]
-        path = next((p for p in candidates if p.exists()), None)
-        if path is None:
-            raise NotFound(f"adapter {name!r} is neither loaded nor in this replica's adapter directory")
-        adapter = self._read(name, path, 1.0, False)
-        self._install(adapter)
-        return adapter
+        missing = NotFound(f"adapter {name!r} is neither loaded nor in this replica's adapter directory")
+        for candidate in (f"{name}.safetensors", name):
+            try:
+                path = local_path(candidate, "LoRA adapter", self.directory)
+            except NotFound:
+                continue
+            return self._read(name, path, 1.0, False, self.directory)
+        raise missing
 
-    def _read(self, name: str, path: Path, scale: float, pinned: bool) -> LoraAdapter:
-        file = adapter_file(path)
-        tensors, metadata = read_safetensors(file)
+    def _read(self, name: str, path: Path, scale: float, pinned: bool, root: Path | None) -> LoraAdapter:
+        file = adapter_file(path, root)
+        tensors, metadata = read_safetensors(file, lambda header: self._check_size(name, header))
         alpha = lora_alpha(metadata)
         try:
             converted = self.reader(tensors)
@@ -312,6 +339,17 @@ class LoraLayers:
             rank=max(a.shape[0] for a, _ in layers.values()),
             pinned=pinned,
         )
+
+    def _check_size(self, name: str, header: SafetensorsHeader) -> None:
+        """RESOURCE_EXHAUSTED, from the header alone, for an adapter larger than the adapter
+        memory once in the model's dtype: an absurd rank is refused before a byte of it is
+        read (and long before anything reaches the device)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        nbytes = sum(entry.numel * itemsize for entry in header.tensors.values())
+        if nbytes > self.max_bytes:
+            raise ResourceExhausted(
+                f"adapter {name!r} would take {nbytes} bytes; the adapter memory is {self.max_bytes} bytes"
+            )
 
     def _checked_layers(
         self, name: str, tensors: dict[str, torch.Tensor]

@@ -1,7 +1,7 @@
 """Where a component's weights come from: a diffusers/transformers directory on disk, or,
 for a *random-weights* model directory, the architecture built from its config.json with
 seeded random weights directly on the device; and the safetensors files a control call names
-(LoRA adapters, pushed weights), checked.
+(LoRA adapters, pushed weights), checked (checked_files.py).
 
 Random weights serve speed and memory measurements of real-size models on machines whose
 disk is smaller than the weights (speed does not depend on the values). A directory is a
@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from omni_common.errors import InvalidArgument, NotFound
+from omni_common.errors import NotFound
+from omni_common.models.checked_files import HeaderCheck, confined, read_safetensors_file, shown
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 
@@ -76,25 +77,29 @@ def load_component(cls: Any, component_dir: Path, device: torch.device, dtype: t
     return model.eval()
 
 
-def local_path(text: str | Path, what: str) -> Path:
-    """A path a control call names on this machine, checked: NOT_FOUND when nothing is there,
-    INVALID_ARGUMENT for one the file system refuses (too long, a NUL byte), a directory or a
-    regular file otherwise (no devices, pipes or sockets)."""
-    path = Path(text)
+def local_path(text: str | Path, what: str, root: Path | None = None) -> Path:
+    """A path a control call names on this machine, resolved (inside `root` when there is
+    one: checked_files.confined): INVALID_ARGUMENT for one no file system takes (empty, a NUL
+    byte, too long), NOT_FOUND when nothing is there or it lies outside the root. What kind
+    of file it is gets checked when it is opened (read_safetensors)."""
+    path = confined(text, root, what)
     try:
-        if not str(text) or not (path.is_file() or path.is_dir()):
-            raise NotFound(f"no {what} at {str(text)[:200]!r}")
-    except (OSError, ValueError):
-        raise InvalidArgument(f"{str(text)[:200]!r} is no usable path for a {what}") from None
+        os.lstat(path)
+    except OSError:
+        raise NotFound(f"no {what} at {shown(str(text))}") from None
     return path
 
 
-def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors and header metadata of a safetensors file; INVALID_ARGUMENT for anything else."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError) as err:
-        raise InvalidArgument(f"{path.name!r} is not a readable safetensors file: {err}") from None
-    return tensors, metadata
+def safetensors_in(directory: Path, root: Path | None, what: str) -> list[Path]:
+    """The `*.safetensors` entries of a directory, sorted, each resolved inside `root` (an
+    entry may be a symlink, but not one out of the root); each is checked again as opened."""
+    return sorted(confined(str(entry), root, what) for entry in directory.glob("*.safetensors"))
+
+
+def read_safetensors(
+    path: Path, check: HeaderCheck | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and header metadata of a safetensors file, opened checked (a regular file, no
+    FIFO can block it) and its header checked (then by `check`) before any tensor is read;
+    INVALID_ARGUMENT for anything else."""
+    return read_safetensors_file(path, "safetensors file", check)

@@ -76,8 +76,15 @@ class StageConfig:
     lora_bytes: int = 1 << 30
     lora_dir: str = ""
     lora_batching: str = "mixed"
-    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles.
+    # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles-<uid>.
     profile_dir: str = ""
+    # A profile stops itself after this long, or once the replica grew this much resident
+    # memory since it started (runtime/profiler.py).
+    profile_max_s: float = 60.0
+    profile_max_mb: int = 1024
+    # The directory AddLora's and LoadWeights' paths must lie in (symlinks resolved first);
+    # empty: any file this process can read (the cluster token is then the only guard).
+    control_root: str = ""
     # dit-denoise: the devices one replica spreads each step over, one worker process each
     # (cuda:0,cuda:1 or cpu,cpu); () = one device, in this process (`device`).
     devices: tuple[str, ...] = ()
@@ -169,12 +176,20 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         help="dit-denoise: shorthand for --devices cuda:0,...,cuda:N-1 (0 or 1: one device)",
     )
     parser.add_argument(
-        "--dtype", default=env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16")
+        "--dtype",
+        default=env("DTYPE", "float32"),
+        choices=("float32", "bfloat16", "float16"),
+        help="the weights' dtype (OMNISTAGE_DTYPE; default float32)",
     )
     parser.add_argument(
         "--threads", type=int, default=int(env("THREADS", "0")), help="torch threads (0 = all)"
     )
-    parser.add_argument("--lease-ttl", type=float, default=float(env("LEASE_TTL_S", "600")))
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(env("LEASE_TTL_S", "600")),
+        help="seconds an output lease lives unless released (OMNISTAGE_LEASE_TTL_S)",
+    )
     parser.add_argument(
         "--inline-bytes",
         type=int,
@@ -305,10 +320,28 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
     )
 
     parser.add_argument(
+        "--control-root",
+        default=env("CONTROL_ROOT", ""),
+        help="the directory that AddLora's and LoadWeights' paths must lie in (no symlink leads "
+        "out of it; outside reads as missing); empty: any file this process can read",
+    )
+    parser.add_argument(
         "--profile-dir",
         default=env("PROFILE_DIR", ""),
-        help="where `omnistage profile` traces of this replica go (default: omnistage-profiles in "
-        "the system's temporary directory)",
+        help="where `omnistage profile` traces of this replica go, owner-only (default: "
+        "omnistage-profiles-<uid> in the system's temporary directory)",
+    )
+    parser.add_argument(
+        "--profile-max-s",
+        type=float,
+        default=float(env("PROFILE_MAX_S", "60")),
+        help="a profile that nobody stops stops itself after this many seconds",
+    )
+    parser.add_argument(
+        "--profile-max-mb",
+        type=int,
+        default=int(env("PROFILE_MAX_MB", "1024")),
+        help="a profile stops itself once the replica's resident memory grew this many MiB",
     )
 
 
@@ -354,6 +387,9 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         lora_dir=args.lora_dir,
         lora_batching=args.lora_batching,
         profile_dir=args.profile_dir,
+        profile_max_s=args.profile_max_s,
+        profile_max_mb=args.profile_max_mb,
+        control_root=args.control_root,
         devices=devices,
     )
 
@@ -398,7 +434,12 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
             default=env(key, ""),
             help=f"comma-separated static {stage} replica addresses (replicas may also register)",
         )
-    parser.add_argument("--stage-timeout", type=float, default=float(env("STAGE_TIMEOUT_S", "600")))
+    parser.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=float(env("STAGE_TIMEOUT_S", "600")),
+        help="seconds one stage call may take (OMNISTAGE_STAGE_TIMEOUT_S)",
+    )
     parser.add_argument(
         "--replica-wait",
         type=float,

@@ -12,7 +12,7 @@ new weights; requests that start after the call run on them alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.weights import local_path, read_safetensors
+from omni_common.models.checked_files import SafetensorsHeader, is_directory
+from omni_common.models.weights import local_path, read_safetensors, safetensors_in
 
 
 @dataclass(frozen=True)
@@ -32,16 +33,18 @@ class WeightsLoaded:
     seconds: float
 
 
-def weight_files(paths: Sequence[str]) -> list[Path]:
+def weight_files(paths: Sequence[str], root: Path | None = None) -> list[Path]:
     """The safetensors files of `paths` (files, or directories whose *.safetensors are all
-    taken, sorted); NOT_FOUND for a path that does not exist, INVALID_ARGUMENT for none."""
+    taken, sorted), resolved inside `root` when there is one; NOT_FOUND for a path that does
+    not exist (or lies outside the root), INVALID_ARGUMENT for none."""
     if not paths:
         raise InvalidArgument("LoadWeights names no files")
+    what = "weights file or directory"
     files: list[Path] = []
     for text in paths:
-        path = local_path(text, "weights file or directory")
-        if path.is_dir():
-            found = sorted(path.glob("*.safetensors"))
+        path = local_path(text, what, root)
+        if is_directory(path):
+            found = safetensors_in(path, root, what)
             if not found:
                 raise InvalidArgument(f"directory {path.name!r} holds no .safetensors files")
             files.extend(found)
@@ -50,16 +53,50 @@ def weight_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-def read_weights(paths: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of the files, by name; a name in two files is INVALID_ARGUMENT."""
+Shapes = Mapping[str, tuple[int, ...]]
+
+
+def weight_shapes(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, tuple[int, ...]]:
+    """Each weight's name as LoadWeights names it (planned_copies), and its shape."""
+    return {name: tuple(tensor.shape) for name, tensor in _targets(modules).items()}
+
+
+def _check_header(header: SafetensorsHeader, shapes: Shapes) -> None:
+    """Names and shapes from a file's header, before its tensors are read: a file's size is
+    then bounded by the model's own (an unknown or larger tensor is refused unread)."""
+    for name, entry in header.tensors.items():
+        shape = shapes.get(name)
+        if shape is None:
+            raise InvalidArgument(f"{name[:120]!r} is no weight of this stage's model")
+        if entry.shape != shape:
+            raise InvalidArgument(
+                f"weight {name[:120]!r} has shape {list(entry.shape)}; the model's is {list(shape)}"
+            )
+
+
+def read_weights(
+    paths: Sequence[str], shapes: Shapes | None = None, root: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the files, by name, each file's header checked against `shapes` before
+    its tensors are read; a name in two files is INVALID_ARGUMENT."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in weight_files(paths):
-        found, _ = read_safetensors(file)
+    check = None if shapes is None else (lambda header: _check_header(header, shapes))
+    for file in weight_files(paths, root):
+        found, _ = read_safetensors(file, check)
         twice = tensors.keys() & found.keys()
         if twice:
             raise InvalidArgument(f"weight {sorted(twice)[0][:120]!r} appears in more than one file")
         tensors.update(found)
     return tensors
+
+
+def _targets(modules: Sequence[tuple[str, nn.Module]]) -> dict[str, torch.Tensor]:
+    targets: dict[str, torch.Tensor] = {}
+    for path, module in modules:
+        prefix = "" if len(modules) == 1 else f"{path}."
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            targets[prefix + name] = tensor
+    return targets
 
 
 def planned_copies(
@@ -70,11 +107,7 @@ def planned_copies(
     INVALID_ARGUMENT for an unknown name, a shape that differs, a non-float or NaN/Inf tensor."""
     if not tensors:
         raise InvalidArgument("the weight files hold no tensors")
-    targets: dict[str, torch.Tensor] = {}
-    for path, module in modules:
-        prefix = "" if len(modules) == 1 else f"{path}."
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            targets[prefix + name] = tensor
+    targets = _targets(modules)
     pairs = []
     for name, source in tensors.items():
         target = targets.get(name)

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.imaging import input_images
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
+from omni_common.models.model_defaults import ModelDefaults
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.feeds import Chunk, Feeds
@@ -44,6 +45,7 @@ class StageWorker(ControlledWorker, Protocol):
     stage: str
     model_name: str
     family: ModelFamily
+    model_defaults: ModelDefaults  # the model directory's own (omnistage.json)
     device: torch.device
     dtype: torch.dtype
     in_flight: int
@@ -140,6 +142,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             device_memory_bytes=self.worker.device_memory_bytes,
             roles=self.worker.roles,
             loras=self.worker.lora_names(),
+            model_defaults=self.worker.model_defaults.fields,
+            option_defaults=self.worker.model_defaults.options,
         )
 
     async def Info(

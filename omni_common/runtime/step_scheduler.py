@@ -139,8 +139,10 @@ class StepScheduler:
         device: torch.device | None = None,
         overlap: bool | None = None,
         batch_window_s: float = 0.0,
+        admit_wait_s: float = ADMIT_WAIT_S,
     ) -> None:
         self.runner = runner
+        self.admit_wait_s = admit_wait_s
         self.name = name
         self.compute = compute
         self.max_batch = max_batch
@@ -304,10 +306,10 @@ class StepScheduler:
 
     async def _waited_for_company(self, batch: list[Job]) -> bool:
         """Wait when `batch` has room and has not stepped yet, while other requests are being
-        admitted (up to ADMIT_WAIT_S), while followers its calls announced have not come (up
+        admitted (up to `admit_wait_s`), while followers its calls announced have not come (up
         to FOLLOWERS_WAIT_S) or within the batch window: they start in the same forward
         instead of one later. True when it waited (the batch is to be picked again)."""
-        window = max(self.batch_window_s, ADMIT_WAIT_S if self._admitting else 0.0)
+        window = max(self.batch_window_s, self.admit_wait_s if self._admitting else 0.0)
         expected = max((i + 1 + job.call.followers for i, job in enumerate(batch)), default=0)
         if len(batch) < min(expected, self.max_batch):
             window = max(window, FOLLOWERS_WAIT_S)

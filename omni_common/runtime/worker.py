@@ -29,12 +29,20 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
+from omni_common.models.checked_files import FileReader
 from omni_common.models.lora import LoraInfo, LoraLayers, check_name
+from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.compile_cache import use_compile_cache
 from omni_common.runtime.config import StageConfig
-from omni_common.runtime.hot_reload import WeightsLoaded, copy_weights, planned_copies, read_weights
+from omni_common.runtime.hot_reload import (
+    WeightsLoaded,
+    copy_weights,
+    planned_copies,
+    read_weights,
+    weight_shapes,
+)
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
 from omni_common.runtime.offload import LayerwiseOffload
 from omni_common.runtime.profiler import StageProfiler
@@ -72,8 +80,20 @@ class Worker:
             torch.set_num_threads(config.threads)
         self.family: ModelFamily = family_for_model_dir(config.model_dir)
         self.model_name = config.model_name or model_name_for_dir(config.model_dir)
+        # Read before the weights load, so a bad omnistage.json stops the stage at once.
+        self.model_defaults = read_model_defaults(config.model_dir, self.family.card, self.family.name)
         self.in_flight = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-compute")
+        # Files that calls name are read here: never on the event loop or the compute thread.
+        self.files = FileReader()
+        self.control_root = Path(config.control_root) if config.control_root else None
+        self.profiler = StageProfiler(
+            self.stage,
+            self.device,
+            config.profile_dir,
+            max_seconds=config.profile_max_s,
+            max_bytes=config.profile_max_mb << 20,
+        )
         self.modules = StageModules({}, [])
         self.weight_bytes = 0
         self.sleeper = WeightSleeper(self.modules, self.device)
@@ -99,7 +119,6 @@ class Worker:
         # The latest tensor LoadWeights gave each weight name (host memory, at most one model's
         # worth), applied again when a level-2 wake reloads the model from its directory.
         self.pushed: dict[str, torch.Tensor] = {}
-        self.profiler = StageProfiler(self.stage, self.device, config.profile_dir)
         has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
         self.manage_memory(
             self.model,
@@ -233,6 +252,8 @@ class Worker:
         handler = self.handler(call.role)
         if call.inbox is not None and not getattr(handler, "streams", False):
             raise InvalidArgument(f"role {call.role or self.roles[0]!r} does not take streamed inputs")
+        if call.request.loras:
+            await self.preload_loras([name for name, _ in call.request.loras])
         async for item in handler.run(call):
             yield item
 
@@ -333,10 +354,25 @@ class Worker:
         except Unimplemented:
             return []
 
+    async def preload_loras(self, names: Sequence[str]) -> None:
+        """Read a request's adapters that are not loaded yet from the adapter directory, on the
+        file reader, and install them between steps: the compute thread never opens a file a
+        public request named (prepare's acquire then finds them loaded)."""
+        try:
+            layers = self.lora_layers()
+        except Unimplemented:  # a stage whose model takes none (the encoder, the VAE)
+            return
+        for name in names:
+            if name not in layers.names:
+                adapter = await self.files.run(layers.read_from_directory, name)
+                await self.compute(layers.install_if_absent, adapter)
+
     async def add_lora(self, name: str, path: str, scale: float, pinned: bool) -> LoraInfo:
-        """Read and check the file off the compute thread, then install it between steps."""
+        """Read and check the file on the file reader, then install it between steps."""
         layers = self.lora_layers()
-        adapter = await asyncio.to_thread(layers.read, check_name(name), Path(path), scale, pinned)
+        adapter = await self.files.run(
+            layers.read, check_name(name), Path(path), scale, pinned, self.control_root
+        )
         info = await self.compute(layers.put, adapter)
         log.info(
             "%s: LoRA %s added (%s, %d modules, %d bytes)",
@@ -370,7 +406,8 @@ class Worker:
         if not modules:
             raise Unimplemented(f"this {self.stage} replica declares no weights to load")
         self._check_awake()
-        tensors = await asyncio.to_thread(read_weights, paths)
+        shapes = await self.compute(weight_shapes, modules)
+        tensors = await self.files.run(read_weights, paths, shapes, self.control_root)
         async with self._memory_lock:
             self._check_awake()  # shapes are checked against the weights on the device
             pairs = await asyncio.to_thread(planned_copies, modules, tensors)
@@ -395,16 +432,29 @@ class Worker:
         return await self.compute(self.profiler.start, name)
 
     async def stop_profile(self) -> tuple[Path, float]:
-        return await self.compute(self.profiler.stop)
+        """End the recording on the compute thread; its trace is written off it (the next
+        steps run while the file is written)."""
+        written, seconds = await self.compute(self.profiler.stop)
+        return await asyncio.wrap_future(written), seconds
 
     async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """Run model work on the device's compute thread without blocking the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await loop.run_in_executor(self._executor, self._bounded, fn, args)
+
+    def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        """`fn(*args)`, then a running profile's time and memory bounds are enforced (the
+        compute thread is where the profiler may be stopped)."""
+        try:
+            return fn(*args)
+        finally:
+            self.profiler.enforce_limits()
 
     def close(self) -> None:
         for handler in self.handlers.values():
             handler.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self.files.close()
+        self.profiler.close()
         for offload in self.layerwise:
             offload.close()

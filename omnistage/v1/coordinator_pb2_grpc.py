@@ -193,7 +193,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Cancels an in-flight request by id.
+        """Cancels an in-flight request of the caller's API key by id; NOT_FOUND for none.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

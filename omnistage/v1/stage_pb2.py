@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnistage/v1/stage.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\xce\x03\n\x10GenerationParams\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x03 \x01(\t\x12\x12\n\x05width\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06height\x18\x05 \x01(\rH\x01\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0etrue_cfg_scale\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12 \n\x13max_sequence_length\x18\t \x01(\rH\x04\x88\x01\x01\x12<\n\x07options\x18\n \x03(\x0b\x32+.omnistage.v1.GenerationParams.OptionsEntry\x12$\n\x05loras\x18\x0b \x03(\x0b\x32\x15.omnistage.v1.LoraRef\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_widthB\t\n\x07_heightB\x16\n\x14_num_inference_stepsB\x11\n\x0f_true_cfg_scaleB\x16\n\x14_max_sequence_length\"5\n\x07LoraRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\x88\x03\n\x0cStageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.omnistage.v1.GenerationParams\x12\'\n\x05input\x18\x03 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x18\n\x10\x63onsumer_host_id\x18\x04 \x01(\t\x12\x16\n\x0eprogress_every\x18\x05 \x01(\r\x12\x0f\n\x07outputs\x18\x06 \x03(\t\x12\x15\n\rpreview_every\x18\x07 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x08 \x01(\r\x12(\n\x06resume\x18\t \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x19\n\x11\x63onsumer_gpu_uuid\x18\n \x01(\t\x12\x1e\n\x16\x63onsumer_ipc_namespace\x18\x0b \x01(\x04\x12\x0c\n\x04role\x18\x0c \x01(\t\x12\x11\n\tstreaming\x18\r \x01(\x08\x12\x11\n\tfollowers\x18\x0e \x01(\r\"\xaa\x01\n\x0cStepProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\x0f\n\x07step_ms\x18\x03 \x01(\x02\x12\x13\n\x0bpreview_png\x18\x04 \x01(\x0c\x12,\n\ncheckpoint\x18\x05 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12)\n\x07partial\x18\x06 \x01(\x0b\x32\x18.omnistage.v1.StageState\"n\n\nStageEvent\x12*\n\x04step\x18\x01 \x01(\x0b\x32\x1a.omnistage.v1.StepProgressH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.StageResultH\x00\x42\x07\n\x05\x65vent\"K\n\x0bStageResult\x12(\n\x06output\x18\x01 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\"t\n\x0b\x46\x65\x65\x64Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\'\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\"\x0b\n\tFeedReply\"\x12\n\x10StageInfoRequest\"\xa7\x02\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\x04\x12\x10\n\x08gpu_uuid\x18\n \x01(\t\x12\x15\n\ripc_namespace\x18\x0b \x01(\x04\x12\x0e\n\x06\x61sleep\x18\x0c \x01(\x08\x12\x14\n\x0cweight_bytes\x18\r \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x0e \x01(\x04\x12\r\n\x05roles\x18\x0f \x03(\t\x12\r\n\x05loras\x18\x10 \x03(\t\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\r\n\x0bWakeRequest\"P\n\x10MemoryTransition\x12\r\n\x05level\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x61wake\x18\x04 \x01(\x08\"Z\n\x0e\x41\x64\x64LoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\x05scale\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x42\x08\n\x06_scale\"!\n\x11RemoveLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\".\n\x0ePinLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x12\n\x10ListLorasRequest\"\x84\x01\n\x08LoraInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0f\n\x07modules\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12\r\n\x05users\x18\x08 \x01(\r\"S\n\x08LoraList\x12%\n\x05loras\x18\x01 \x03(\x0b\x32\x16.omnistage.v1.LoraInfo\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\"#\n\x12LoadWeightsRequest\x12\r\n\x05paths\x18\x01 \x03(\t\"C\n\x10LoadWeightsReply\x12\x0f\n\x07tensors\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"#\n\x13StartProfileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"-\n\x0cProfileReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x32\xc3\x01\n\x05Stage\x12=\n\x03Run\x12\x1a.omnistage.v1.StageRequest\x1a\x18.omnistage.v1.StageEvent0\x01\x12?\n\x04Info\x12\x1e.omnistage.v1.StageInfoRequest\x1a\x17.omnistage.v1.StageInfo\x12:\n\x04\x46\x65\x65\x64\x12\x19.omnistage.v1.FeedRequest\x1a\x17.omnistage.v1.FeedReply2\x91\x05\n\x0cStageControl\x12\x43\n\x05Sleep\x12\x1a.omnistage.v1.SleepRequest\x1a\x1e.omnistage.v1.MemoryTransition\x12\x41\n\x04Wake\x12\x19.omnistage.v1.WakeRequest\x1a\x1e.omnistage.v1.MemoryTransition\x12?\n\x07\x41\x64\x64Lora\x12\x1c.omnistage.v1.AddLoraRequest\x1a\x16.omnistage.v1.LoraInfo\x12\x45\n\nRemoveLora\x12\x1f.omnistage.v1.RemoveLoraRequest\x1a\x16.omnistage.v1.LoraList\x12\x43\n\tListLoras\x12\x1e.omnistage.v1.ListLorasRequest\x1a\x16.omnistage.v1.LoraList\x12?\n\x07PinLora\x12\x1c.omnistage.v1.PinLoraRequest\x1a\x16.omnistage.v1.LoraInfo\x12O\n\x0bLoadWeights\x12 .omnistage.v1.LoadWeightsRequest\x1a\x1e.omnistage.v1.LoadWeightsReply\x12M\n\x0cStartProfile\x12!.omnistage.v1.StartProfileRequest\x1a\x1a.omnistage.v1.ProfileReply\x12K\n\x0bStopProfile\x12 .omnistage.v1.StopProfileRequest\x1a\x1a.omnistage.v1.ProfileReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnistage/v1/stage.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\xce\x03\n\x10GenerationParams\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x03 \x01(\t\x12\x12\n\x05width\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06height\x18\x05 \x01(\rH\x01\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0etrue_cfg_scale\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12 \n\x13max_sequence_length\x18\t \x01(\rH\x04\x88\x01\x01\x12<\n\x07options\x18\n \x03(\x0b\x32+.omnistage.v1.GenerationParams.OptionsEntry\x12$\n\x05loras\x18\x0b \x03(\x0b\x32\x15.omnistage.v1.LoraRef\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_widthB\t\n\x07_heightB\x16\n\x14_num_inference_stepsB\x11\n\x0f_true_cfg_scaleB\x16\n\x14_max_sequence_length\"5\n\x07LoraRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05scale\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x08\n\x06_scale\"\x88\x03\n\x0cStageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.omnistage.v1.GenerationParams\x12\'\n\x05input\x18\x03 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x18\n\x10\x63onsumer_host_id\x18\x04 \x01(\t\x12\x16\n\x0eprogress_every\x18\x05 \x01(\r\x12\x0f\n\x07outputs\x18\x06 \x03(\t\x12\x15\n\rpreview_every\x18\x07 \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x08 \x01(\r\x12(\n\x06resume\x18\t \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x19\n\x11\x63onsumer_gpu_uuid\x18\n \x01(\t\x12\x1e\n\x16\x63onsumer_ipc_namespace\x18\x0b \x01(\x04\x12\x0c\n\x04role\x18\x0c \x01(\t\x12\x11\n\tstreaming\x18\r \x01(\x08\x12\x11\n\tfollowers\x18\x0e \x01(\r\"\xaa\x01\n\x0cStepProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\x0f\n\x07step_ms\x18\x03 \x01(\x02\x12\x13\n\x0bpreview_png\x18\x04 \x01(\x0c\x12,\n\ncheckpoint\x18\x05 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12)\n\x07partial\x18\x06 \x01(\x0b\x32\x18.omnistage.v1.StageState\"n\n\nStageEvent\x12*\n\x04step\x18\x01 \x01(\x0b\x32\x1a.omnistage.v1.StepProgressH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.StageResultH\x00\x42\x07\n\x05\x65vent\"K\n\x0bStageResult\x12(\n\x06output\x18\x01 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x12\n\ncompute_ms\x18\x02 \x01(\x02\"t\n\x0b\x46\x65\x65\x64Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\'\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.omnistage.v1.StageState\x12\x0b\n\x03\x65nd\x18\x05 \x01(\x08\"\x0b\n\tFeedReply\"\x12\n\x10StageInfoRequest\"\x9e\x04\n\tStageInfo\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\x04\x12\x10\n\x08gpu_uuid\x18\n \x01(\t\x12\x15\n\ripc_namespace\x18\x0b \x01(\x04\x12\x0e\n\x06\x61sleep\x18\x0c \x01(\x08\x12\x14\n\x0cweight_bytes\x18\r \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x0e \x01(\x04\x12\r\n\x05roles\x18\x0f \x03(\t\x12\r\n\x05loras\x18\x10 \x03(\t\x12\x42\n\x0emodel_defaults\x18\x11 \x03(\x0b\x32*.omnistage.v1.StageInfo.ModelDefaultsEntry\x12\x44\n\x0foption_defaults\x18\x12 \x03(\x0b\x32+.omnistage.v1.StageInfo.OptionDefaultsEntry\x1a\x34\n\x12ModelDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x35\n\x13OptionDefaultsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\r\n\x0bWakeRequest\"P\n\x10MemoryTransition\x12\r\n\x05level\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x61wake\x18\x04 \x01(\x08\"Z\n\x0e\x41\x64\x64LoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\x05scale\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x42\x08\n\x06_scale\"!\n\x11RemoveLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\".\n\x0ePinLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06pinned\x18\x02 \x01(\x08\"\x12\n\x10ListLorasRequest\"\x84\x01\n\x08LoraInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\r\n\x05scale\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x0f\n\x07modules\x18\x05 \x01(\r\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06pinned\x18\x07 \x01(\x08\x12\r\n\x05users\x18\x08 \x01(\r\"S\n\x08LoraList\x12%\n\x05loras\x18\x01 \x03(\x0b\x32\x16.omnistage.v1.LoraInfo\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\"#\n\x12LoadWeightsRequest\x12\r\n\x05paths\x18\x01 \x03(\t\"C\n\x10LoadWeightsReply\x12\x0f\n\x07tensors\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"#\n\x13StartProfileRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"-\n\x0cProfileReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x32\xc3\x01\n\x05Stage\x12=\n\x03Run\x12\x1a.omnistage.v1.StageRequest\x1a\x18.omnistage.v1.StageEvent0\x01\x12?\n\x04Info\x12\x1e.omnistage.v1.StageInfoRequest\x1a\x17.omnistage.v1.StageInfo\x12:\n\x04\x46\x65\x65\x64\x12\x19.omnistage.v1.FeedRequest\x1a\x17.omnistage.v1.FeedReply2\x91\x05\n\x0cStageControl\x12\x43\n\x05Sleep\x12\x1a.omnistage.v1.SleepRequest\x1a\x1e.omnistage.v1.MemoryTransition\x12\x41\n\x04Wake\x12\x19.omnistage.v1.WakeRequest\x1a\x1e.omnistage.v1.MemoryTransition\x12?\n\x07\x41\x64\x64Lora\x12\x1c.omnistage.v1.AddLoraRequest\x1a\x16.omnistage.v1.LoraInfo\x12\x45\n\nRemoveLora\x12\x1f.omnistage.v1.RemoveLoraRequest\x1a\x16.omnistage.v1.LoraList\x12\x43\n\tListLoras\x12\x1e.omnistage.v1.ListLorasRequest\x1a\x16.omnistage.v1.LoraList\x12?\n\x07PinLora\x12\x1c.omnistage.v1.PinLoraRequest\x1a\x16.omnistage.v1.LoraInfo\x12O\n\x0bLoadWeights\x12 .omnistage.v1.LoadWeightsRequest\x1a\x1e.omnistage.v1.LoadWeightsReply\x12M\n\x0cStartProfile\x12!.omnistage.v1.StartProfileRequest\x1a\x1a.omnistage.v1.ProfileReply\x12K\n\x0bStopProfile\x12 .omnistage.v1.StopProfileRequest\x1a\x1a.omnistage.v1.ProfileReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONPARAMS_OPTIONSENTRY']._loaded_options = None
   _globals['_GENERATIONPARAMS_OPTIONSENTRY']._serialized_options = b'8\001'
+  _globals['_STAGEINFO_MODELDEFAULTSENTRY']._loaded_options = None
+  _globals['_STAGEINFO_MODELDEFAULTSENTRY']._serialized_options = b'8\001'
+  _globals['_STAGEINFO_OPTIONDEFAULTSENTRY']._loaded_options = None
+  _globals['_STAGEINFO_OPTIONDEFAULTSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATIONPARAMS']._serialized_start=70
   _globals['_GENERATIONPARAMS']._serialized_end=532
   _globals['_GENERATIONPARAMS_OPTIONSENTRY']._serialized_start=398
@@ -55,37 +59,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGEINFOREQUEST']._serialized_start=1477
   _globals['_STAGEINFOREQUEST']._serialized_end=1495
   _globals['_STAGEINFO']._serialized_start=1498
-  _globals['_STAGEINFO']._serialized_end=1793
-  _globals['_SLEEPREQUEST']._serialized_start=1795
-  _globals['_SLEEPREQUEST']._serialized_end=1824
-  _globals['_WAKEREQUEST']._serialized_start=1826
-  _globals['_WAKEREQUEST']._serialized_end=1839
-  _globals['_MEMORYTRANSITION']._serialized_start=1841
-  _globals['_MEMORYTRANSITION']._serialized_end=1921
-  _globals['_ADDLORAREQUEST']._serialized_start=1923
-  _globals['_ADDLORAREQUEST']._serialized_end=2013
-  _globals['_REMOVELORAREQUEST']._serialized_start=2015
-  _globals['_REMOVELORAREQUEST']._serialized_end=2048
-  _globals['_PINLORAREQUEST']._serialized_start=2050
-  _globals['_PINLORAREQUEST']._serialized_end=2096
-  _globals['_LISTLORASREQUEST']._serialized_start=2098
-  _globals['_LISTLORASREQUEST']._serialized_end=2116
-  _globals['_LORAINFO']._serialized_start=2119
-  _globals['_LORAINFO']._serialized_end=2251
-  _globals['_LORALIST']._serialized_start=2253
-  _globals['_LORALIST']._serialized_end=2336
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=2338
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2373
-  _globals['_LOADWEIGHTSREPLY']._serialized_start=2375
-  _globals['_LOADWEIGHTSREPLY']._serialized_end=2442
-  _globals['_STARTPROFILEREQUEST']._serialized_start=2444
-  _globals['_STARTPROFILEREQUEST']._serialized_end=2479
-  _globals['_STOPPROFILEREQUEST']._serialized_start=2481
-  _globals['_STOPPROFILEREQUEST']._serialized_end=2501
-  _globals['_PROFILEREPLY']._serialized_start=2503
-  _globals['_PROFILEREPLY']._serialized_end=2548
-  _globals['_STAGE']._serialized_start=2551
-  _globals['_STAGE']._serialized_end=2746
-  _globals['_STAGECONTROL']._serialized_start=2749
-  _globals['_STAGECONTROL']._serialized_end=3406
+  _globals['_STAGEINFO']._serialized_end=2040
+  _globals['_STAGEINFO_MODELDEFAULTSENTRY']._serialized_start=1933
+  _globals['_STAGEINFO_MODELDEFAULTSENTRY']._serialized_end=1985
+  _globals['_STAGEINFO_OPTIONDEFAULTSENTRY']._serialized_start=1987
+  _globals['_STAGEINFO_OPTIONDEFAULTSENTRY']._serialized_end=2040
+  _globals['_SLEEPREQUEST']._serialized_start=2042
+  _globals['_SLEEPREQUEST']._serialized_end=2071
+  _globals['_WAKEREQUEST']._serialized_start=2073
+  _globals['_WAKEREQUEST']._serialized_end=2086
+  _globals['_MEMORYTRANSITION']._serialized_start=2088
+  _globals['_MEMORYTRANSITION']._serialized_end=2168
+  _globals['_ADDLORAREQUEST']._serialized_start=2170
+  _globals['_ADDLORAREQUEST']._serialized_end=2260
+  _globals['_REMOVELORAREQUEST']._serialized_start=2262
+  _globals['_REMOVELORAREQUEST']._serialized_end=2295
+  _globals['_PINLORAREQUEST']._serialized_start=2297
+  _globals['_PINLORAREQUEST']._serialized_end=2343
+  _globals['_LISTLORASREQUEST']._serialized_start=2345
+  _globals['_LISTLORASREQUEST']._serialized_end=2363
+  _globals['_LORAINFO']._serialized_start=2366
+  _globals['_LORAINFO']._serialized_end=2498
+  _globals['_LORALIST']._serialized_start=2500
+  _globals['_LORALIST']._serialized_end=2583
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=2585
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2620
+  _globals['_LOADWEIGHTSREPLY']._serialized_start=2622
+  _globals['_LOADWEIGHTSREPLY']._serialized_end=2689
+  _globals['_STARTPROFILEREQUEST']._serialized_start=2691
+  _globals['_STARTPROFILEREQUEST']._serialized_end=2726
+  _globals['_STOPPROFILEREQUEST']._serialized_start=2728
+  _globals['_STOPPROFILEREQUEST']._serialized_end=2748
+  _globals['_PROFILEREPLY']._serialized_start=2750
+  _globals['_PROFILEREPLY']._serialized_end=2795
+  _globals['_STAGE']._serialized_start=2798
+  _globals['_STAGE']._serialized_end=2993
+  _globals['_STAGECONTROL']._serialized_start=2996
+  _globals['_STAGECONTROL']._serialized_end=3653
 # @@protoc_insertion_point(module_scope)

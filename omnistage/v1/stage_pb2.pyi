@@ -135,7 +135,21 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles", "loras")
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles", "loras", "model_defaults", "option_defaults")
+    class ModelDefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class OptionDefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +166,8 @@ class StageInfo(_message.Message):
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    OPTION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -168,7 +184,9 @@ class StageInfo(_message.Message):
     device_memory_bytes: int
     roles: _containers.RepeatedScalarFieldContainer[str]
     loras: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...
+    model_defaults: _containers.ScalarMap[str, float]
+    option_defaults: _containers.ScalarMap[str, str]
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ..., model_defaults: _Optional[_Mapping[str, float]] = ..., option_defaults: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)

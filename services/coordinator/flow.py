@@ -59,8 +59,31 @@ REPLICA_POLL_S = 0.2  # while a request waits for a replica: how often the pool 
 TOKEN_PROGRESS_EVERY = 16  # tokens between two TokenProgress events
 
 
+# What a replica may answer about the request itself: the caller's to fix, or to retry later
+# (the whole cluster would answer the same). Any other failure is the replica's own (a bug,
+# a misconfiguration, or a fake that registered with the token and answers
+# FAILED_PRECONDITION to everything): the replica is treated as lost and the call moves to
+# another, so one bad replica cannot fail requests that a healthy one would serve.
+CLIENT_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+
+
 class ReplicaLost(Unavailable):
-    """The replica went away mid-call (killed, crashed, draining)."""
+    """The replica went away mid-call (killed, crashed, draining), or failed it on its own.
+    `own_error`: what it answered, when the request's own content may be the cause (INTERNAL,
+    UNKNOWN): with no other replica to try, the caller gets that, not a wait for one."""
+
+    def __init__(self, message: str, own_error: OmniError | None = None) -> None:
+        super().__init__(message)
+        self.own_error = own_error
 
 
 class RequestFlow:
@@ -151,6 +174,11 @@ class RequestFlow:
                 except ReplicaLost as lost:
                     tried.add(replica.address)
                     req.failovers.append(replica.address)
+                    others = [
+                        r for r in self.pool.serving(step.stage, model, step.role) if r.address not in tried
+                    ]
+                    if lost.own_error is not None and not others:
+                        raise lost.own_error from None
                     log.warning("request %s: %s; moving on", req.request_id, lost.message)
                 except NotFound:
                     if step.name not in req.checkpoints:
@@ -237,6 +265,39 @@ class RequestFlow:
         with tracing.span(f"step {step.name}", kind="client", **where):
             return await self._call_stage(req, step, replica, inputs, consumer, outputs, stream_in)
 
+    def _failure(self, req: FlowRequest, replica: Replica, err: grpc.RpcError) -> OmniError:
+        """What a stage call's error means: the replica lost (ReplicaLost: the call moves to
+        another; it leaves routing too unless the request itself may be the cause), or the
+        request's own error, which the client sees."""
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(err):
+            self.pool.mark_failed(replica)
+            return ReplicaLost(f"{replica.stage} replica {replica.address} was lost")
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self.pool.mark_failed(replica)
+            return ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable")
+        if err.code() == grpc.StatusCode.CANCELLED:
+            # Not our cancel (that arrives as asyncio's): the replica's server stopped with
+            # the call in flight, a drain racing its deregistration.
+            self.pool.mark_failed(replica)
+            return ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call")
+        if err.code() not in CLIENT_ERRORS:
+            # INTERNAL or UNKNOWN may come from this request's content (it would fail the
+            # same way everywhere): the call moves on, but the replica stays routable.
+            own = err.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+            if not own:
+                self.pool.mark_failed(replica)
+            log.warning(
+                "request %s: %s replica %s answered %s: %s",
+                req.request_id,
+                replica.stage,
+                replica.address,
+                err.code().name,
+                (err.details() or "")[:200],
+            )
+            message = f"{replica.stage} replica {replica.address} failed the call"
+            return ReplicaLost(message, error_from_rpc(err) if own else None)
+        return error_from_rpc(err)
+
     async def _call_stage(
         self,
         req: FlowRequest,
@@ -298,20 +359,7 @@ class RequestFlow:
             release_later(self.transport, replica.address, [], req.request_id)
             raise
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(
-                err
-            ):
-                self.pool.mark_failed(replica)
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} was lost") from None
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_failed(replica)
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable") from None
-            if err.code() == grpc.StatusCode.CANCELLED:
-                # Not our cancel (that arrives as asyncio's): the replica's server stopped with
-                # the call in flight, a drain racing its deregistration.
-                self.pool.mark_failed(replica)
-                raise ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call") from None
-            raise error_from_rpc(err) from None
+            raise self._failure(req, replica, err) from None
         finally:
             if feeder is not None:
                 feeder.cancel()
@@ -407,6 +455,10 @@ class RequestFlow:
             samples = tensors["audio"].to(torch.float32).view(-1).clone()
         finally:
             req.leases.drop(replica.address, partial)
+        await self._send_audio(req, samples, meta)
+
+    async def _send_audio(self, req: FlowRequest, samples: torch.Tensor, meta: dict[str, str]) -> None:
+        """The next AudioChunk of the reply: `samples` (flat float32) in the client's format."""
         chunk = cpb.AudioChunk(
             index=req.audio_chunks,
             sample_rate=int(meta.get("sample_rate", "0")),
@@ -428,6 +480,15 @@ class RequestFlow:
         options, emit = req.options, req.emit
         if "image" not in step.produces:  # a reply: its text and audio went out in chunks
             kind = "audio" if "audio" in step.produces else "text"
+            if kind == "audio" and "audio" in (ref.name for ref in decoded.tensors):
+                # A last role that does not stream (a vocoder returning one tensor): its result
+                # holds the whole waveform, sent as the reply's last chunk. (A streaming one
+                # returns no "audio": its chunks went out as partials.)
+                tensors, meta = await self.transport.import_state(decoded)
+                samples = tensors["audio"].to(torch.float32).view(-1)
+                per_chunk = CHUNK_BYTES // 4  # float32: each event within the message limits
+                for start in range(0, max(1, samples.numel()), per_chunk):
+                    await self._send_audio(req, samples[start : start + per_chunk].clone(), meta)
             result = cpb.Result(kind=kind, text="".join(req.text), audio_samples=req.audio_samples)
             result.sample_rate = int(decoded.meta.get("sample_rate", "0"))
             result.total_ms = (time.perf_counter() - started) * 1e3

@@ -22,6 +22,7 @@ from omni_common.models.base import ModelFamily, roles_of
 from omni_common.models.registry import find_family
 from omni_common.runtime.auth import cluster_metadata
 from omni_common.runtime.rpc import aio_channel
+from omni_common.runtime.tls import client_settings
 from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.coordinator")
@@ -80,6 +81,10 @@ class ModelView:
     stages: dict[str, int] = field(default_factory=dict)  # healthy replicas per stage
     roles: dict[str, int] = field(default_factory=dict)  # healthy replicas per role
     loras: dict[str, int] = field(default_factory=dict)  # healthy replicas per loaded adapter
+    # The model directory's own defaults (StageInfo.model_defaults / option_defaults); every
+    # replica reads the same directory, so any one that sends them speaks for the model.
+    model_defaults: dict[str, float] = field(default_factory=dict)
+    option_defaults: dict[str, str] = field(default_factory=dict)
 
     def ready(self) -> bool:
         """Every role of the model's family has a healthy replica."""
@@ -90,6 +95,9 @@ class ModelView:
 @dataclass
 class ReplicaPool:
     replicas: dict[str, list[Replica]] = field(default_factory=dict)
+    # Every replica address ever routed to (kept after one leaves): what a public caller's
+    # events and errors must not show (CoordinatorServicer hides them from API-key callers).
+    addresses_seen: set[str] = field(default_factory=set)
 
     @classmethod
     def from_addresses(cls, addresses: dict[str, list[str]]) -> ReplicaPool:
@@ -108,6 +116,7 @@ class ReplicaPool:
             control=stage_pb2_grpc.StageControlStub(channel),
         )
         self.replicas.setdefault(stage, []).append(replica)
+        self.addresses_seen.add(address)
         return replica
 
     def find(self, stage: str, address: str) -> Replica | None:
@@ -182,6 +191,8 @@ class ReplicaPool:
                         view.roles[role] = view.roles.get(role, 0) + 1
                     for lora in replica.info.loras:
                         view.loras[lora] = view.loras.get(lora, 0) + 1
+                    view.model_defaults.update(replica.info.model_defaults)
+                    view.option_defaults.update(replica.info.option_defaults)
         return found
 
     def family_of(self, model: str) -> ModelFamily:
@@ -279,6 +290,28 @@ def heartbeat_problem(info: stage_pb2.StageInfo) -> str:
     return ""
 
 
+async def proves_identity(info: stage_pb2.StageInfo) -> bool:
+    """With TLS, whether the replica a first heartbeat names is the one registering: the
+    coordinator dials the address it registers, verifies the certificate there against the
+    cluster's CA (a forged heartbeat can name any address, but only a holder of a cluster
+    certificate can answer at it), and that replica must say the same stage, model and
+    address. Plaintext clusters cannot tell (True): there the cluster token is the whole of a
+    replica's identity, and a token holder may register any address (README, Access control)."""
+    if not client_settings().verifies_peers:
+        return True
+    channel = aio_channel(info.address, metadata=cluster_metadata())
+    try:
+        said = await stage_pb2_grpc.StageStub(channel).Info(
+            stage_pb2.StageInfoRequest(), timeout=INFO_TIMEOUT_S
+        )
+    except grpc.RpcError as err:
+        log.warning("heartbeat for %s %s refused: it answers %s", info.stage, info.address, err.code().name)
+        return False
+    finally:
+        await channel.close()
+    return (said.stage, said.model, said.address) == (info.stage, info.model, info.address)
+
+
 class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
     """Where replicas register and heartbeat."""
 
@@ -291,6 +324,12 @@ class RegistryServicer(coordinator_pb2_grpc.RegistryServicer):
         problem = heartbeat_problem(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"heartbeat refused: {problem}")
+        if self.pool.find(request.stage, request.address) is None and not await proves_identity(request):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "heartbeat refused: the address registered does not answer, over TLS with a "
+                "certificate of this cluster, as the replica that registers it",
+            )
         self.pool.register(request)
         return coordinator_pb2.HeartbeatReply(lease_ms=int(HEARTBEAT_LEASE_S * 1000))
 

@@ -17,10 +17,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from omni_common.errors import AlreadyExists, Cancelled, InvalidArgument, OmniError, ResourceExhausted, abort
+from omni_common.errors import (
+    AlreadyExists,
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    OmniError,
+    ResourceExhausted,
+    abort,
+)
 from omni_common.imaging import inspect_image
 from omni_common.models.base import Plan, input_image_name
 from omni_common.models.registry import find_family
+from omni_common.runtime.auth import Caller, api_keys, caller, cluster_tokens
 from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import advertised_address, run, serve
@@ -30,6 +39,7 @@ from omni_common.validation import (
     check_request_id,
     check_takes_loras,
     defaults_for,
+    option_defaults_for,
     to_request,
     with_defaults,
 )
@@ -74,9 +84,37 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight
-        self.in_flight: dict[str, asyncio.Task[None]] = {}
+        # By (owner, request id): a request belongs to the API key that started it. Ids are
+        # the caller's to choose, so two keys may pick the same one: each sees its own only.
+        self.in_flight: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.flow_ids: set[str] = set()  # the ids the flow runs under, unique cluster-wide
+        self.keys, self.tokens = api_keys(), cluster_tokens()
 
-    def _accept(self, request: cpb.GenerateRequest) -> Accepted:
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        metadata = {key: value for key, value in context.invocation_metadata() or ()}
+        return caller(metadata, self.keys, self.tokens)
+
+    def _flow_id(self, request_id: str) -> str:
+        """The id the request runs under in the cluster: its own, unless another key's
+        request runs under it now (stages key their work by id)."""
+        if request_id not in self.flow_ids:
+            return request_id
+        return f"{request_id[:110]}.{secrets.token_hex(6)}"
+
+    def _hidden(self, event: cpb.GenerateEvent) -> cpb.GenerateEvent:
+        """The event as a caller who is not an operator may see it: no replica addresses."""
+        if event.HasField("stage_started"):
+            event.stage_started.replica = ""
+        if event.HasField("error"):
+            event.error.message = self._redacted(event.error.message)
+        return event
+
+    def _redacted(self, text: str) -> str:
+        for address in self.pool.addresses_seen:
+            text = text.replace(address, "a replica")
+        return text
+
+    def _accept(self, request: cpb.GenerateRequest, owner: str = "") -> Accepted:
         if len(self.in_flight) >= self.max_in_flight:
             raise ResourceExhausted(
                 f"the coordinator has {len(self.in_flight)} requests in flight, its limit; "
@@ -85,11 +123,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             )
         request_id = request.request_id or secrets.token_hex(8)
         check_request_id(request_id)
-        if request_id in self.in_flight:
+        if (owner, request_id) in self.in_flight:  # only the owner's own ids: no oracle
             raise AlreadyExists(f"request {request_id} is already in flight; use another id")
         model = self.pool.resolve_model(request.params.model)
         family = self.pool.family_of(model)
-        params = with_defaults(request.params, defaults_for(family.card))
+        view = self.pool.models()[model]
+        # Only the model's own option defaults go into the request: the family's are the
+        # runners' own fallbacks, and requests that name none stay as they were.
+        params = with_defaults(
+            request.params, defaults_for(family.card, view.model_defaults), view.option_defaults
+        )
         params.model = model
         media = self._media(request)
         images = tuple(
@@ -120,26 +163,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(
         self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[cpb.GenerateEvent]:
+        who = self._caller(context)
         try:
-            accepted = self._accept(request)
+            accepted = self._accept(request, who.owner)
         except OmniError as err:
             self.metrics.requests.finished(err.code)
             await abort(context, err)
             return
         request_id, params = accepted.request_id, accepted.params
+        key, flow_id = (who.owner, request_id), self._flow_id(request_id)
         events: asyncio.Queue[cpb.GenerateEvent | None] = asyncio.Queue()
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         task = asyncio.create_task(
-            self.flow.run(request_id, params, request, accepted.plan, deadline, events.put, accepted.media)
+            self.flow.run(flow_id, params, request, accepted.plan, deadline, events.put, accepted.media)
         )
         # A done callback, not a `finally` in the task: a task cancelled before it first runs
         # (a Cancel racing the accept) never executes its body, and the stream would hang.
         task.add_done_callback(lambda _: events.put_nowait(_DONE))
-        self.in_flight[request_id] = task
+        self.in_flight[key] = task
+        self.flow_ids.add(flow_id)
         log.info(
             "request %s accepted: %s, %dx%d, %d steps, plan %s",
-            request_id,
+            flow_id,
             params.model,
             params.width,
             params.height,
@@ -150,26 +196,31 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             yield cpb.GenerateEvent(accepted=cpb.Accepted(request_id=request_id))
             while (event := await events.get()) is not _DONE:
-                yield event
-            error = await _outcome(task, request_id)
+                yield event if who.operator else self._hidden(event)
+            error = await _outcome(task, flow_id)
             code = grpc.StatusCode.OK if error is None else error.code
         finally:
             if not task.done():  # the client went away: stop the work, free its leases
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            self.in_flight.pop(request_id, None)
+            self.in_flight.pop(key, None)
+            self.flow_ids.discard(flow_id)
             self.metrics.requests.finished(code)
         if error is not None:
-            log.info("request %s failed: %s %s", request_id, error.code.name, error.message)
+            log.info("request %s failed: %s %s", flow_id, error.code.name, error.message)
+            if not who.operator:
+                error.message = self._redacted(error.message)
             yield cpb.GenerateEvent(error=cpb.Error(code=error.code.name, message=error.message))
             await abort(context, error)
 
     async def Cancel(
         self, request: cpb.CancelRequest, context: grpc.aio.ServicerContext
     ) -> cpb.CancelResponse:
-        task = self.in_flight.get(request.request_id)
+        task = self.in_flight.get((self._caller(context).owner, request.request_id))
         if task is None or task.done():
-            return cpb.CancelResponse(cancelled=False)
+            # Another key's request reads exactly as one that does not exist.
+            await abort(context, NotFound(f"no request {request.request_id[:128]!r} of yours is in flight"))
+        assert task is not None
         task.cancel()
         log.info("request %s: cancel requested", request.request_id)
         return cpb.CancelResponse(cancelled=True)
@@ -183,7 +234,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 def model_info(name: str, view: ModelView) -> cpb.ModelInfo:
-    """What clients learn of a served model: its replicas, and its family's card."""
+    """What clients learn of a served model: its replicas, and its card (its family's, with the
+    model directory's own defaults over the family's)."""
     info = cpb.ModelInfo(
         name=name, family=view.family, replicas=view.stages, roles=view.roles, ready=view.ready()
     )
@@ -194,15 +246,16 @@ def model_info(name: str, view: ModelView) -> cpb.ModelInfo:
     info.inputs.extend(card.inputs)
     info.max_images = card.max_images
     info.outputs.extend(card.outputs)
-    info.defaults.update(defaults_for(card))
+    info.defaults.update(defaults_for(card, view.model_defaults))
     info.size_multiple = card.size_multiple
     info.takes_loras = card.loras
     info.loras.update(view.loras)
+    options = option_defaults_for(card, view.option_defaults)
     info.options.extend(
         cpb.ModelOption(
             name=spec.name,
             type=spec.type,
-            default_value=spec.default,
+            default_value=options[spec.name],
             minimum=spec.minimum,
             maximum=spec.maximum,
             description=spec.description,

@@ -13,7 +13,9 @@ import signal
 import socket
 from collections.abc import Callable, Iterator
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from omni_common.runtime.config import GatewayConfig
 from omni_common.runtime.serve import DRAIN_GRACE_S, run
@@ -21,6 +23,47 @@ from omni_common.runtime.tls import plaintext_allowed, tls_settings
 from services.gateway.app import GatewayState, build_app
 
 log = logging.getLogger("omnistage.gateway")
+
+# Slow clients: a request's headers must arrive within HEADER_TIMEOUT_S of the connection (or
+# of the previous response: uvicorn's keep-alive), its body within serving.BODY_TIMEOUT_S; at
+# most MAX_CONNECTIONS connections are open at once (more get 503 and are closed).
+HEADER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512
+
+
+def header_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with the first request's headers bounded in time too."""
+
+    class HeaderTimeout(H11Protocol):
+        # A timer from the connection (and from each response) to the next request's headers:
+        # if the client is still sending them when it fires, the connection closes. uvicorn's
+        # own keep-alive timer is disarmed by any byte, so a slow-loris client dripping a
+        # header line at a time would hold the connection forever.
+        headers_due: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.headers_due is not None:
+                self.headers_due.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self.headers_due is not None:
+                self.headers_due.cancel()
+            self.headers_due = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.timeout_keep_alive_handler()  # closes the connection
+
+    return HeaderTimeout
 
 
 class _Server(uvicorn.Server):
@@ -53,6 +96,8 @@ async def serve_gateway(
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     grace_s: float = DRAIN_GRACE_S,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> None:
     """Serve the gateway until a signal or `stop`; `ready(url)` once it accepts requests."""
     app = build_app(config)
@@ -73,6 +118,8 @@ async def serve_gateway(
             timeout_graceful_shutdown=int(grace_s),
             ssl_certfile=cert,
             ssl_keyfile=key,
+            http=header_timeout_protocol(header_timeout_s),
+            limit_concurrency=max_connections,
         )
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))

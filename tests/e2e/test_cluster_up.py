@@ -117,4 +117,4 @@ def test_cluster_up_serves_the_default_model_scaled_over_tls_and_ctrl_c_leaves_n
         launcher.wait(90)
     assert launcher.returncode == 0
     assert not [pid for pid in services if alive(pid)]
-    assert_no_segment_added(before)
+    assert_no_segment_added(before, owners={launcher.pid, *services})

@@ -125,7 +125,7 @@ SMALL = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 2, "seed": 1
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({**SMALL, "size": "33x33"}, None, "invalid_argument"),  # refused by the coordinator
+        ({**SMALL, "size": "33x33"}, "size", "invalid_argument"),  # refused by the coordinator, field named
         ({**SMALL, "size": "big"}, "size", "invalid_argument"),
         ({**SMALL, "n": 0}, "n", "invalid_argument"),
         ({**SMALL, "n": True}, "n", "invalid_argument"),

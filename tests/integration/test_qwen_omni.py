@@ -189,3 +189,20 @@ def test_the_speak_command_prints_the_reply_and_saves_its_audio(
     expected = tmp_path / "expected.wav"
     reply.save(expected)
     assert out.read_bytes() == expected.read_bytes()
+
+
+def test_a_text_only_reply_prints_its_text_and_writes_no_wav(
+    omni: InProcessCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "none.wav"
+    caps = [f"--option={name}={value}" for name, value in CAPS.items()]
+    argv = ["speak", PROMPT, "-o", str(out), "--address", omni.coordinator, "--seed", "3", *caps]
+    assert cli.main([*argv, "--option", "audio=0", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    with Client(omni.coordinator) as client:
+        reply = client.speak(PROMPT, seed=3, audio=False, options=CAPS)
+    assert not reply.spoken and reply.text and printed.startswith(reply.text + "\n")
+    assert "not written" in printed and not out.exists()
+    with pytest.raises(ValueError, match="no audio"):
+        reply.save(out)
+    assert not out.exists()

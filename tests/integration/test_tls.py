@@ -110,6 +110,28 @@ def test_clients_that_do_not_verify_the_cluster_ca_get_nothing(
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_the_cli_against_a_tls_cluster_without_the_ca_says_to_pass_it(
+    clusters: tuple[InProcessCluster, np.ndarray],
+    certs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    secured, _ = clusters
+    monkeypatch.delenv("OMNISTAGE_TLS_CA")  # a new user's shell: no CA anywhere
+    out = str(tmp_path / "x.png")
+    for command in (["generate", "x", "-o", out, "--quiet"], ["models"]):
+        assert cli([*command, "--address", secured.coordinator]) == 1
+        printed = capsys.readouterr().err
+        assert printed.startswith("error: UNAVAILABLE"), printed
+        assert "--ca-cert .secrets/tls/ca.pem" in printed, printed
+    # With a CA that did not sign the server's certificate, the hint says to check that instead.
+    assert cli(["certs", str(tmp_path / "other")]) == 0
+    bad = ["--ca-cert", str(tmp_path / "other" / "ca.pem")]
+    assert cli(["generate", "x", "-o", out, "--address", secured.coordinator, "--quiet", *bad]) == 1
+    assert "check that the CA given by --ca-cert" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7"])
 def test_plaintext_is_refused_off_loopback_unless_allowed(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def check() -> None:
@@ -143,3 +165,40 @@ def test_the_gateway_serves_https_and_reaches_the_coordinator_over_tls(
         assert png.startswith(b"\x89PNG")
     finally:
         gateway.stop()
+
+
+def test_a_heartbeat_is_refused_unless_its_address_answers_as_the_replica_with_a_cluster_certificate(
+    clusters: tuple[InProcessCluster, np.ndarray],
+) -> None:
+    """Replica identity (issue 38, finding 10): with TLS, a first heartbeat registers only when
+    the coordinator, dialling the address it names, finds a cluster certificate there and a
+    replica that says the same stage, model and address."""
+    from omni_common.runtime.rpc import sync_channel
+    from omnistage.v1 import coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+    secured, _ = clusters
+    with sync_channel(secured.addresses["dit-denoise"]) as channel:
+        real = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.StageInfoRequest(), timeout=10)
+
+    async def plaintext_server() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    fake_server, port = secured.call(plaintext_server())
+    try:
+        elsewhere = stage_pb2.StageInfo()
+        elsewhere.CopyFrom(real)
+        elsewhere.address = f"127.0.0.1:{port}"  # no cluster certificate answers there
+        posing = stage_pb2.StageInfo()
+        posing.CopyFrom(elsewhere)
+        posing.address, posing.stage = real.address, "vae-decode"  # a replica that says otherwise
+        with sync_channel(secured.coordinator) as channel:
+            registry = coordinator_pb2_grpc.RegistryStub(channel)
+            for forged in (elsewhere, posing):
+                with pytest.raises(grpc.RpcError) as refused:
+                    registry.Heartbeat(forged, timeout=20)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        secured.call(fake_server.stop(0))

@@ -117,11 +117,13 @@ def test_requests_joining_between_steps_match_their_solo_results(runners, overla
 
 def test_requests_admitted_together_start_in_one_forward(runners, overlap) -> None:  # type: ignore[no-untyped-def]
     """Four requests arriving at once: the first waits for the others being admitted, so the
-    four share every forward (3 forwards for 3 steps, not a first one alone and a 4th)."""
+    four share every forward (3 forwards for 3 steps, not a first one alone and a 4th). The
+    wait's bound is raised far above the admissions' time, so a loaded machine cannot end it
+    first: it ends when the last of the four is admitted, not at the bound."""
     calls = [call(runners, f"together {i}", seed=i, num_inference_steps=3) for i in range(4)]
 
     async def main(compute: Compute) -> tuple[list[StageState], list[int]]:
-        scheduler = StepScheduler(runners[1], compute, overlap=overlap)
+        scheduler = StepScheduler(runners[1], compute, overlap=overlap, admit_wait_s=60.0)
         results = await asyncio.gather(*(result_of(scheduler.run(c)) for c in calls))
         scheduler.close()
         return list(results), list(scheduler.batch_sizes)
@@ -280,31 +282,43 @@ def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(run
 
 
 def test_oldest_first_a_later_stream_never_starves_an_earlier_request(runners) -> None:  # type: ignore[no-untyped-def]
+    """`other` (another size) arrives with `big`; a stream of requests with big's batch key keeps
+    coming while big steps. Once big is done, `other` is the oldest and runs before them all.
+
+    The stream is driven by big's own step events, not by timers: each later request is sent
+    after big has stepped at least once, so none can share big's first forward and finish with
+    it, however fast or loaded the machine is."""
     big = call(runners, "64 square", seed=1)
     other = StageCall(
         request_id="other-size",
         request=GenerationRequest(prompt="32 square", width=32, height=32, num_inference_steps=4),
         inputs=big.inputs,
     )
+    # big's step after which each later request is sent: while big still has steps to run.
+    send_after = {1: ["later-0"], 2: ["later-1"], 3: ["later-2", "later-3"]}
 
     async def main(compute: Compute) -> list[str]:
         scheduler = StepScheduler(runners[1], compute)
         finished: list[str] = []
+        tasks: list[asyncio.Task[None]] = []
 
-        async def run(c: StageCall) -> None:
-            await result_of(scheduler.run(c))
+        async def run(c: StageCall, on_step: Callable[[int], None] = lambda _: None) -> None:
+            await result_of(scheduler.run(c), on_step)
             finished.append(c.request_id)
 
-        tasks = [asyncio.create_task(run(big)), asyncio.create_task(run(other))]
-        for i in range(4):  # a stream of later requests with the first one's batch key
-            await asyncio.sleep(0.01)
-            later = StageCall(request_id=f"later-{i}", request=big.request, inputs=big.inputs)
-            tasks.append(asyncio.create_task(run(later)))
+        def send_later(step: int) -> None:
+            for request_id in send_after.get(step, []):
+                later = StageCall(request_id=request_id, request=big.request, inputs=big.inputs)
+                tasks.append(asyncio.create_task(run(later)))
+
+        first = [asyncio.create_task(run(big, send_later)), asyncio.create_task(run(other))]
+        await asyncio.gather(*first)
         await asyncio.gather(*tasks)
         scheduler.close()
         return finished
 
     finished = run_async(main)
+    assert finished[0] == big.request_id and len(finished) == 6
     assert finished.index("other-size") < min(finished.index(f"later-{i}") for i in range(4))
 
 

@@ -38,6 +38,12 @@ from transformers import (
 )
 from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
+from omni_common.models.model_defaults import ModelDefaults, write_model_defaults
+
+# The fixture's own defaults (its omnistage.json): the family's 1024x1024 makes the random AR
+# prior sample over a thousand tokens; 64x64 in 4 steps answers in about a second on a CPU.
+FIXTURE_DEFAULTS = ModelDefaults({"width": 64, "height": 64, "num_inference_steps": 4})
+
 VISION_TOKENS = 128  # VQ codebook size = the AR head's vocabulary = the DiT's prior embedding rows
 IMAGE_START, IMAGE_END = VISION_TOKENS, VISION_TOKENS + 1
 SPECIAL_TOKENS = (
@@ -204,4 +210,5 @@ def build_tiny_fixture(out_dir: Path, seed: int = 0) -> Path:
         return out_dir
     pipe: Any = GlmImagePipeline(**build_components(seed))
     pipe.save_pretrained(out_dir)
+    write_model_defaults(out_dir, FIXTURE_DEFAULTS)
     return out_dir

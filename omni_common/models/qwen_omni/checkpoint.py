@@ -4,12 +4,13 @@ only the sub-model its roles run, never the whole model."""
 
 from __future__ import annotations
 
-import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
 
 from omni_common.errors import InvalidArgument
@@ -22,53 +23,40 @@ def load_config(model_dir: Path) -> Qwen2_5OmniConfig:
     return Qwen2_5OmniConfig.from_pretrained(model_dir)
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in names]
-    return [model_dir / "model.safetensors"]
-
-
 def load_part(
     cls: Any, config: Any, model_dir: Path, prefix: str, device: torch.device, dtype: torch.dtype
 ) -> Any:
     """Sub-model `cls` built from `config` with the checkpoint's `prefix.` weights, in `dtype` on
     `device`, eval mode, SDPA attention. A random-weights directory (random_model.py) gets
-    seeded weights built in place on `device` (the same in every process)."""
+    seeded weights built in place on `device` (the same in every process).
+
+    transformers' own loading reads them: `key_mapping` drops the part's prefix, and its own
+    per-release renames apply after (5.21 moved the thinker's audio tower under `.model`), so a
+    checkpoint in the published layout loads whatever the installed release's module layout is.
+    The other parts' weights are left unread. Strict all the same: a weight of this part that the
+    model lacks, or one the model needs that the checkpoint lacks, is an error."""
     if random_weights_seed(model_dir) is not None:
         return build_random(cls, config, model_dir, prefix, device, dtype)
-    model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as weights:
-            for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key.startswith(prefix + "."):
-                    state[key[len(prefix) + 1 :]] = weights.get_tensor(key)
-    state = _renamed(state, set(model.state_dict()))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
+    with _quiet_transformers():
+        model, info = cls.from_pretrained(
+            model_dir,
+            config=config,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            key_mapping={rf"^{prefix}\.": ""},
+            output_loading_info=True,
+        )
+    missing = sorted(info["missing_keys"])
+    # Keys of the other parts are expected here; a key of this part that found no home is not.
+    unexpected = sorted(key for key in info["unexpected_keys"] if not _other_part(key, prefix))
+    mismatched = sorted(str(key) for key in info.get("mismatched_keys") or ())
+    if missing or unexpected or mismatched:
         raise ValueError(
             f"{model_dir.name}: the checkpoint's {prefix} weights do not fit its config "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}, mismatched {mismatched[:3]})"
         )
     module: torch.nn.Module = model
     return module.to(device=device, dtype=dtype).eval()
-
-
-def _renamed(state: dict[str, torch.Tensor], expected: set[str]) -> dict[str, torch.Tensor]:
-    """`state` with each key the model does not have renamed to the one it has under a
-    sub-module prefix: transformers 5.21 moved the thinker's towers and text model under
-    `.model` (checkpoints keep `audio_tower.*` and `model.layers.*`, the module wants
-    `model.audio_tower.*` and `model.language_model.layers.*`)."""
-    renamed = {}
-    for key, tensor in state.items():
-        if key not in expected:
-            inner = key.removeprefix("model.")
-            candidates = [f"model.{key}", f"model.language_model.{inner}"]
-            key = next((name for name in candidates if name in expected), key)
-        renamed[key] = tensor
-    return renamed
 
 
 def build_random(
@@ -80,6 +68,27 @@ def build_random(
     with seeded_build(seed, prefix, device, dtype):
         model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+PARTS = ("thinker", "talker", "token2wav")
+
+
+def _other_part(key: str, prefix: str) -> bool:
+    """Whether checkpoint key `key` (as reported, prefix kept or not) belongs to another part."""
+    return any(key.startswith(part + ".") for part in PARTS if part != prefix)
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' load report lists every weight of the other parts as UNEXPECTED (a screenful
+    per stage start); `load_part` checks the keys itself, so the report is held back."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_speakers(model_dir: Path) -> dict[str, dict[str, Any]]:

@@ -51,6 +51,9 @@ from transformers import (
     Qwen2_5OmniToken2WavModel,
     Qwen2Tokenizer,
 )
+from transformers.utils import logging as hf_logging
+
+from omni_common.models.model_defaults import ModelDefaults, write_model_defaults
 
 HIDDEN = 32
 HEAD_DIM = 8
@@ -60,6 +63,10 @@ MEL_DIM = 80
 REF_MEL_FRAMES = 30
 CODEC_VOCAB = 8448
 SPEAKERS = ("Chelsie", "Ethan")
+# The fixture's own reply limits (its omnistage.json): random weights rarely say their end
+# token, so the family's 1024 text tokens / 4096 codec tokens (~50 codes a second) ran to 30-82 s
+# of noise. 16 tokens and 100 codes (2 s) answer in seconds; a request can still ask for more.
+FIXTURE_DEFAULTS = ModelDefaults(options={"max_new_tokens": "16", "talker_max_new_tokens": "100"})
 SPECIAL_TOKENS = [
     "<|im_start|>",
     "<|im_end|>",
@@ -95,7 +102,10 @@ def build_tokenizer() -> Qwen2Tokenizer:
     <|endoftext|> first) and the chat template, trained on `CORPUS` in chat format."""
     corpus = ["".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in CORPUS)]
     base = Qwen2Tokenizer()  # empty vocab, Qwen2's pre-tokenizer; <|endoftext|> is pad/eos
-    tokenizer = base.train_new_from_iterator([corpus], vocab_size=384, new_special_tokens=SPECIAL_TOKENS)
+    # show_progress off: the trainer's bar printed blank lines into every fixture build.
+    tokenizer = base.train_new_from_iterator(
+        [corpus], vocab_size=384, new_special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -243,7 +253,14 @@ def build_tiny_fixture(out_dir: Path, *, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     model = build_model(build_config(tokenizer), seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    was_shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar for one shard of a few MB says nothing
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if was_shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out_dir)
     torch.save(build_speakers(tokenizer, seed), out_dir / "spk_dict.pt")
+    write_model_defaults(out_dir, FIXTURE_DEFAULTS)
     return out_dir

@@ -71,8 +71,9 @@ class Thinker(SlotGenerator):
         max_tokens: int = MAX_TOKENS,
         decode: str = "auto",
     ) -> None:
+        # The text decoder: `model.model` up to transformers 5.20, `model.model.language_model` after.
         super().__init__(
-            model.model,
+            model.get_decoder(),
             device,
             dtype,
             max_slots,

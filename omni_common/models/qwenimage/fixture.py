@@ -56,7 +56,10 @@ def build_tokenizer(prompts: Sequence[str] = FIXTURE_PROMPTS) -> Qwen2Tokenizer:
     template filled with `prompts` (so their words become single tokens)."""
     corpus = [PROMPT_TEMPLATE.format(text) for text in prompts]
     base = Qwen2Tokenizer()  # empty vocab, Qwen2's pre-tokenizer; <|endoftext|> is pad/eos
-    tokenizer = base.train_new_from_iterator([corpus], vocab_size=1024, new_special_tokens=SPECIAL_TOKENS)
+    # show_progress off: the trainer's bar printed blank lines into every fixture build.
+    tokenizer = base.train_new_from_iterator(
+        [corpus], vocab_size=1024, new_special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     prefix = PROMPT_TEMPLATE.split("{}")[0]
     n_prefix = len(tokenizer(prefix).input_ids)
     if n_prefix != PROMPT_TEMPLATE_DROP:  # the pipeline's hard-coded drop index relies on it
