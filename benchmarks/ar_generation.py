@@ -6,6 +6,7 @@ then edit-mode latency through a cluster of real processes with the condition KV
 image) and warm (an image the step cache holds). Our side runs eager.
 
     python benchmarks/ar_generation.py [--concurrency 1 8 32] [--size 64] [--edits 6]
+    python benchmarks/ar_generation.py --device cuda ...   # real size on a GPU: ar_decode_gpu.py
 
 Tokens/s: our side runs the prior role under the stage's own StepScheduler (continuous
 batching: a request joins the running batch at the next token and leaves when it ends), each
@@ -24,6 +25,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -149,6 +151,11 @@ async def edit_latencies(address: str, edits: int, size: int) -> dict[str, list[
 
 
 def main() -> None:
+    if "--device" in sys.argv:  # the real-size GPU measurement: its own script and flags
+        from ar_decode_gpu import main as gpu_main
+
+        gpu_main(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -265,17 +265,22 @@ def _health(args: argparse.Namespace) -> int:
 def _fixture(args: argparse.Namespace) -> int:
     if args.family == "qwen2.5-omni":
         from omni_common.models.qwen_omni.fixture import build_tiny_fixture as build_omni
+        from omni_common.models.qwen_omni.random_model import write_random_model as random_omni
 
         if args.random_weights:
-            raise SystemExit("--random-weights is for qwenimage only (yet)")
-        print(f"wrote {build_omni(Path(args.out), seed=args.seed)}")
+            path = random_omni(Path(args.out), full_size=args.random_weights == "full", seed=args.seed)
+        else:
+            path = build_omni(Path(args.out), seed=args.seed)
+        print(f"wrote {path}")
         return 0
     if args.family == "glm-image":
         from omni_common.models.glm_image.fixture import build_tiny_fixture as build_glm_image
+        from omni_common.models.glm_image.random_model import write_random_model as random_glm
 
         if args.random_weights:
-            raise SystemExit("--random-weights is for qwenimage only (yet)")
-        path = build_glm_image(Path(args.out), seed=args.seed)
+            path = random_glm(Path(args.out), full_size=args.random_weights == "full", seed=args.seed)
+        else:
+            path = build_glm_image(Path(args.out), seed=args.seed)
         print(f"wrote {path}")
         return 0
     from omni_common.models.qwenimage.fixture import build_tiny_fixture
@@ -513,7 +518,7 @@ def _add_tool_parsers(sub: Any) -> None:
         "--random-weights",
         choices=("tiny", "full"),
         help="write configs only; every process builds the same seeded weights on its device "
-        "(full: Qwen-Image's real size, for GPU measurements)",
+        "(full: the family's real size, for GPU measurements)",
     )
     fixture.add_argument("--seed", type=int, default=0, help="the weights' random seed (default 0)")
     fixture.set_defaults(func=_fixture)

@@ -13,12 +13,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_common.errors import Unimplemented
+from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import StageState, StepState
+from omni_common.models.graphed_decode import GraphedDecode, Launched, decoder_of, use_graphed_attention
 from omni_common.models.kv_slots import KVSlots, Slot, use_slot_attention
 from omni_common.models.sampling import Sampling, pick_tokens
 
 MAX_TOKENS = 16384  # per request: prompt + generated tokens a slot holds
+# How decode steps run: "eager" (per-row SDPA, bitwise `generate` for a lone request; the CPU
+# default), "graphs" (graphed_decode.py: one recorded step per batch bucket; CUDA only, the
+# default there), "auto" (graphs on CUDA, eager elsewhere).
+DECODE_MODES = ("auto", "eager", "graphs")
+
+
+def decode_mode(mode: str, device: torch.device) -> str:
+    """`mode` resolved for `device` ("graphs" off CUDA runs the same step unrecorded, for
+    tests); ValueError for an unknown mode."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode mode must be one of {DECODE_MODES}, not {mode!r}")
+    if mode == "auto":
+        return "graphs" if device.type == "cuda" else "eager"
+    return mode
 
 
 @dataclass(kw_only=True, eq=False)
@@ -33,6 +48,7 @@ class GenerationState(StepState):
     finite: bool = True
     last_token: int = -1  # the latest token, on the host (the end check needs no sync)
     chunks_sent: int = 0
+    launched: int = 0  # graphed decode: tokens picked or in flight (step_index trails by <= 1)
 
     @property
     def seen(self) -> torch.Tensor:
@@ -54,7 +70,18 @@ class SlotGenerator:
         dtype: torch.dtype,
         max_slots: int,
         max_tokens: int = MAX_TOKENS,
+        *,
+        decode: str = "auto",
+        model: Any = None,
+        position_rows: int = 3,
+        keep_rows: bool = False,
+        attention: str = "flex",
     ) -> None:
+        """`model`: what the graphed decode runs (its decoder and output head), needed for
+        decode "graphs"; `position_rows`: the rows of its rope positions; `keep_rows`: also keep
+        each step's last hidden + input embedding (`Launched.extra["rows"]`)."""
+        # The decoder itself: transformers 5.21+ nests the thinker's under a multimodal wrapper.
+        text_model = decoder_of(text_model)
         use_slot_attention(text_model)
         config = text_model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -69,6 +96,20 @@ class SlotGenerator:
             max_slots=max_slots,
             max_tokens=max_tokens,
         )
+        self.decode = decode_mode(decode, device)
+        self.graphed: GraphedDecode | None = None
+        self.pending: tuple[Launched, list[GenerationState]] | None = None
+        if self.decode == "graphs":
+            self.slots.reserve()
+            use_graphed_attention(text_model)
+            self.graphed = GraphedDecode(
+                model,
+                self.slots,
+                position_rows=position_rows,
+                max_steps=self.slots.max_tokens,
+                keep_rows=keep_rows,
+                attention=attention,
+            )
 
     def pick(self, states: Sequence[GenerationState], logits: torch.Tensor) -> None:
         """Pick and record each state's next token from its row of `logits`; a state whose row
@@ -83,6 +124,62 @@ class SlotGenerator:
                 state.sequence[:, state.prompt_length + state.step_index] = token[:, 0]
                 state.last_token = next(values)
             state.step_index += 1
+
+    def check_graphable(self, sampling: Sampling) -> None:
+        """INVALID_ARGUMENT for a request the graphed decode cannot pick tokens for."""
+        if self.graphed is not None and sampling.key is None:
+            raise InvalidArgument(
+                "this model's generation settings include a logits processor that reads the tokens "
+                "seen (e.g. a repetition penalty), which the graphed decode does not run: serve it "
+                "with the eager decode"
+            )
+
+    def join(self, state: GenerationState, positions: torch.Tensor | None) -> None:
+        """Graphed decode: make the prefilled `state` a row (after `pick` took its first
+        token); its tokens live on the host from here on (the host reads them a step late)."""
+        if self.graphed is None:
+            return
+        first = state.sequence[:, state.prompt_length]
+        self.graphed.join(state.slot.index, first, state.slot.length, positions, state.sampling.generator)
+        state.sequence = state.sequence.cpu()
+        state.launched = state.step_index
+
+    def graphed_step(self, live: Sequence[GenerationState]) -> tuple[Launched, list[GenerationState]] | None:
+        """Launch one graphed step for `live` (those with tokens left to launch), then read the
+        previous step's tokens into its states. Returns the step read and the states it
+        advanced (None if no step was read)."""
+        assert self.graphed is not None
+        previous, self.pending = self.pending, None
+        rows = sorted((s for s in live if s.launched < s.total_steps), key=lambda s: s.slot.index)
+        if rows:
+            sampling = rows[0].sampling
+            if any(s.sampling.key != sampling.key for s in rows):
+                raise InvalidArgument("one graphed step takes requests of one sampling setting (batch_key)")
+            launched = self.graphed.launch(
+                [s.slot.index for s in rows], sampling.key, sampling.processors or None, sampling.do_sample
+            )
+            for state in rows:
+                state.launched += 1
+            self.pending = (launched, rows)
+        if previous is None:
+            return None
+        launched, states = previous
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens = launched.tokens.tolist()
+        advanced = []
+        for state in states:
+            if state.slot.released or self.is_done(state):
+                continue  # it left, or ended a step ago: this token is past its end
+            advanced.append(state)
+            token = tokens[state.slot.index]
+            if token < 0:
+                state.finite = False
+            else:
+                state.sequence[0, state.prompt_length + state.step_index] = token
+                state.last_token = token
+            state.step_index += 1
+        return launched, advanced
 
     def fill_slot(self, state: GenerationState, cache: Any) -> None:
         """Copy a prefill's DynamicCache into the state's slot."""
@@ -99,6 +196,9 @@ class SlotGenerator:
         return [s for s in states if isinstance(s, GenerationState) and not self.is_done(s)]
 
     def batch_key(self, state: StepState) -> Hashable:
+        if self.graphed is not None:  # one recorded step per sampling setting
+            assert isinstance(state, GenerationState)
+            return (str(self.device), self.dtype, state.sampling.key)
         return (str(self.device), self.dtype)
 
     def step_cost(self, state: StepState) -> int:
@@ -127,4 +227,5 @@ class SlotGenerator:
         self.slots.release(state.slot)
 
     def forget_cuda_graphs(self) -> None:
-        pass
+        if self.graphed is not None:
+            self.graphed.graphs.clear()

@@ -113,6 +113,13 @@ class KVSlots:
         self.owners[slot.index] = slot
         return slot
 
+    def reserve(self) -> None:
+        """Allocate every row at `max_tokens` now, so the buffers never move again (what CUDA
+        graphs that read them need); `acquire` then never reallocates."""
+        capacity = -(-self.max_tokens // CAPACITY_STEP) * CAPACITY_STEP
+        self.max_tokens = capacity
+        self._allocate(self.max_slots, capacity)
+
     def release(self, slot: Slot) -> None:
         """Free `slot`'s row (nothing is copied or cleared: no one reads past a row's length).
         Idempotent."""

@@ -50,6 +50,15 @@ def _component_seed(seed: int, component: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{component}".encode()).digest()[:4], "little")
 
 
+@contextmanager
+def seeded_build(seed: int, component: str, device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Build a component's random weights inside: seeded per component (the CUDA generators
+    too), in place on `device` in `dtype` (a 20 B model never exists in float32)."""
+    torch.manual_seed(_component_seed(seed, component))
+    with torch.device(device), _default_dtype(dtype):
+        yield
+
+
 def load_component(cls: Any, component_dir: Path, device: torch.device, dtype: torch.dtype) -> Any:
     """A diffusers or transformers model from `component_dir` (e.g. model/transformer), in
     `dtype`, on `device`, in eval mode."""
@@ -59,9 +68,7 @@ def load_component(cls: Any, component_dir: Path, device: torch.device, dtype: t
         model = cls.from_pretrained(component_dir, dtype=dtype)
         module: torch.nn.Module = model  # transformers' typed `.to` confuses mypy
         return module.to(device).eval()
-    torch.manual_seed(_component_seed(seed, component_dir.name))  # seeds the CUDA generators too
-    # Built in place on the device in its dtype: a 20 B model never exists in float32.
-    with torch.device(device), _default_dtype(dtype):
+    with seeded_build(seed, component_dir.name, device, dtype):
         if hasattr(cls, "from_config"):  # diffusers
             model = cls.from_config(cls.load_config(component_dir))
         else:  # transformers

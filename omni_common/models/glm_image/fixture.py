@@ -73,9 +73,10 @@ CORPUS = (
 HIDDEN = 32
 
 
-def build_ar_tokenizer() -> PreTrainedTokenizerFast:
-    """The AR processor's tokenizer: vision tokens, specials at fixed ids, then byte-level BPE."""
-    vocab = {f"<|vision_{i}|>": i for i in range(VISION_TOKENS)}
+def build_ar_tokenizer(vision_tokens: int = VISION_TOKENS) -> PreTrainedTokenizerFast:
+    """The AR processor's tokenizer: vision tokens, specials at fixed ids (image start and end
+    right after the vision tokens, as in the real vocabulary), then byte-level BPE."""
+    vocab = {f"<|vision_{i}|>": i for i in range(vision_tokens)}
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
     tokenizer = Tokenizer(models.BPE(vocab=dict(vocab), merges=[]))
@@ -101,7 +102,7 @@ def build_ar_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_processor() -> GlmImageProcessor:
+def build_processor(vision_tokens: int = VISION_TOKENS) -> GlmImageProcessor:
     image_processor = GlmImageImageProcessorPil(
         patch_size=16,
         merge_size=1,
@@ -109,7 +110,9 @@ def build_processor() -> GlmImageProcessor:
         size={"shortest_edge": 16 * 16, "longest_edge": 2048 * 2048},
     )
     return GlmImageProcessor(
-        image_processor=image_processor, tokenizer=build_ar_tokenizer(), chat_template=CHAT_TEMPLATE
+        image_processor=image_processor,
+        tokenizer=build_ar_tokenizer(vision_tokens),
+        chat_template=CHAT_TEMPLATE,
     )
 
 

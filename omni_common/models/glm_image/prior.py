@@ -35,7 +35,7 @@ from transformers import DynamicCache, GlmImageForConditionalGeneration, GlmImag
 
 from omni_common.errors import OmniError
 from omni_common.models.base import GenerationRequest, StageState, StepState
-from omni_common.models.generation import GenerationState, SlotGenerator
+from omni_common.models.generation import GenerationState, SlotGenerator, decode_mode
 from omni_common.models.glm_image.prior_inputs import (
     condition_images,
     eos_ids,
@@ -49,6 +49,9 @@ from omni_common.models.weights import load_component
 MAX_SLOTS = 8  # requests in flight (the step scheduler's default batch)
 # Per request: the largest image (2048x2048: 4,096 + 256 preview tokens) plus its prompt.
 MAX_TOKENS = 8192
+# The graphed decode reserves every slot's KV up front (40 KiB a token at real size): 64 slots
+# x 5,120 tokens is 12.5 GiB on the GPU (a 2048x2048 prior and a prompt of up to ~760 tokens).
+GRAPHED_MAX_TOKENS = 5120
 
 
 @dataclass(kw_only=True, eq=False)
@@ -79,8 +82,11 @@ class GlmImagePrior(SlotGenerator):
         *,
         max_slots: int = MAX_SLOTS,
         max_tokens: int = MAX_TOKENS,
+        decode: str = "auto",
     ) -> None:
-        super().__init__(model.model.language_model, device, dtype, max_slots, max_tokens)
+        super().__init__(
+            model.model.language_model, device, dtype, max_slots, max_tokens, decode=decode, model=model
+        )
         self.model = model
         self.processor = processor
 
@@ -92,14 +98,17 @@ class GlmImagePrior(SlotGenerator):
         dtype: torch.dtype,
         *,
         max_slots: int = MAX_SLOTS,
-        max_tokens: int = MAX_TOKENS,
+        max_tokens: int | None = None,
+        decode: str = "auto",
     ) -> GlmImagePrior:
         """Load processor/ and vision_language_encoder/ of a diffusers GLM-Image directory."""
         processor = GlmImageProcessor.from_pretrained(model_dir / "processor")
         model = load_component(
             GlmImageForConditionalGeneration, model_dir / "vision_language_encoder", device, dtype
         )
-        return cls(model, processor, device, dtype, max_slots=max_slots, max_tokens=max_tokens)
+        if max_tokens is None:
+            max_tokens = GRAPHED_MAX_TOKENS if decode_mode(decode, device) == "graphs" else MAX_TOKENS
+        return cls(model, processor, device, dtype, max_slots=max_slots, max_tokens=max_tokens, decode=decode)
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> PriorState:
@@ -129,6 +138,7 @@ class GlmImagePrior(SlotGenerator):
                 target_offset=target_offset,
                 target_grid=target_grid,
             )
+            self.check_graphable(state.sampling)
             features = None
             if images:
                 source_grids = grids[: len(images)]
@@ -157,11 +167,15 @@ class GlmImagePrior(SlotGenerator):
         )
         self.fill_slot(state, cache)
         self.pick([state], output.logits)
+        self.join(state, state.decode_positions)
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
         """One decode forward for every state not done, then a token each."""
         live = [s for s in self.live(states) if isinstance(s, PriorState)]
+        if self.graphed is not None:
+            self.graphed_step(live)
+            return
         if not live:
             return
         cache = self.slots.batch([state.slot for state in live])

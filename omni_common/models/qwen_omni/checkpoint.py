@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
 
 from omni_common.errors import InvalidArgument
+from omni_common.models.weights import random_weights_seed, seeded_build
 
 SPEAKERS_FILE = "spk_dict.pt"
 
@@ -26,13 +27,16 @@ def load_part(
     cls: Any, config: Any, model_dir: Path, prefix: str, device: torch.device, dtype: torch.dtype
 ) -> Any:
     """Sub-model `cls` built from `config` with the checkpoint's `prefix.` weights, in `dtype` on
-    `device`, eval mode, SDPA attention.
+    `device`, eval mode, SDPA attention. A random-weights directory (random_model.py) gets
+    seeded weights built in place on `device` (the same in every process).
 
     transformers' own loading reads them: `key_mapping` drops the part's prefix, and its own
     per-release renames apply after (5.21 moved the thinker's audio tower under `.model`), so a
     checkpoint in the published layout loads whatever the installed release's module layout is.
     The other parts' weights are left unread. Strict all the same: a weight of this part that the
     model lacks, or one the model needs that the checkpoint lacks, is an error."""
+    if random_weights_seed(model_dir) is not None:
+        return build_random(cls, config, model_dir, prefix, device, dtype)
     with _quiet_transformers():
         model, info = cls.from_pretrained(
             model_dir,
@@ -53,6 +57,17 @@ def load_part(
         )
     module: torch.nn.Module = model
     return module.to(device=device, dtype=dtype).eval()
+
+
+def build_random(
+    cls: Any, config: Any, model_dir: Path, prefix: str, device: torch.device, dtype: torch.dtype
+) -> Any:
+    """`cls` with seeded random weights (per `prefix`), built on `device` in `dtype`."""
+    seed = random_weights_seed(model_dir)
+    assert seed is not None
+    with seeded_build(seed, prefix, device, dtype):
+        model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
 
 
 PARTS = ("thinker", "talker", "token2wav")

@@ -27,7 +27,8 @@ from transformers import DynamicCache, Qwen2_5OmniThinkerForConditionalGeneratio
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
-from omni_common.models.generation import GenerationState, SlotGenerator
+from omni_common.models.generation import GenerationState, SlotGenerator, decode_mode
+from omni_common.models.graphed_decode import Launched
 from omni_common.models.qwen_omni.checkpoint import (
     chat_input_ids,
     load_config,
@@ -40,6 +41,10 @@ from omni_common.models.qwen_omni.options import option_int, speaker_of
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64
+MAX_TOKENS = 16384  # per request (prompt + reply) with the eager decode
+# The graphed decode reserves every slot's KV up front (~56 KiB a token at 7B): 64 x 4096 is
+# ~15 GiB on the GPU, beside the thinker's 15 GiB of weights.
+GRAPHED_MAX_TOKENS = 4096
 
 
 @dataclass(kw_only=True, eq=False)
@@ -62,9 +67,22 @@ class Thinker(SlotGenerator):
         device: torch.device,
         dtype: torch.dtype,
         max_slots: int = MAX_SLOTS,
+        *,
+        max_tokens: int = MAX_TOKENS,
+        decode: str = "auto",
     ) -> None:
         # The text decoder: `model.model` up to transformers 5.20, `model.model.language_model` after.
-        super().__init__(model.get_decoder(), device, dtype, max_slots)
+        super().__init__(
+            model.get_decoder(),
+            device,
+            dtype,
+            max_slots,
+            max_tokens,
+            decode=decode,
+            model=model,
+            position_rows=4,
+            keep_rows=True,
+        )
         self.model = model
         self.tokenizer = tokenizer
         self.speakers = speakers
@@ -72,7 +90,14 @@ class Thinker(SlotGenerator):
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: torch.device, dtype: torch.dtype, max_slots: int = MAX_SLOTS
+        cls,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_slots: int = MAX_SLOTS,
+        *,
+        max_tokens: int | None = None,
+        decode: str = "auto",
     ) -> Thinker:
         config = load_config(model_dir)
         model = load_part(
@@ -85,7 +110,19 @@ class Thinker(SlotGenerator):
         )
         talker: Any = config.talker_config
         ids = (talker.tts_text_end_token_id, talker.tts_text_pad_token_id)
-        return cls(model, load_tokenizer(model_dir), load_speakers(model_dir), ids, device, dtype, max_slots)
+        if max_tokens is None:
+            max_tokens = GRAPHED_MAX_TOKENS if decode_mode(decode, device) == "graphs" else MAX_TOKENS
+        return cls(
+            model,
+            load_tokenizer(model_dir),
+            load_speakers(model_dir),
+            ids,
+            device,
+            dtype,
+            max_slots,
+            max_tokens=max_tokens,
+            decode=decode,
+        )
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> ThinkerState:
@@ -113,6 +150,7 @@ class Thinker(SlotGenerator):
                 prompt_length=length,
                 speak=bool(option_int(request, "audio")),
             )
+            self.check_graphable(state.sampling)
             cache = DynamicCache(config=self.model.config.get_text_config())
             output = self.model(
                 input_ids=input_ids,
@@ -129,6 +167,7 @@ class Thinker(SlotGenerator):
                 specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
                 state.first = {"prompt": hidden[-1][0] + hidden[0][0], "specials": embed(specials)}
             self.pick([state], output.logits)
+            self.join(state, None)
         except BaseException:
             self.slots.release(slot)
             raise
@@ -138,6 +177,9 @@ class Thinker(SlotGenerator):
     def step(self, states: Sequence[StepState]) -> None:
         """One decode forward for every state not done: a row each, then a token each."""
         live = self.live(states)
+        if self.graphed is not None:
+            self.graphed_rows(self.graphed_step(live))
+            return
         if not live:
             return
         cache = self.slots.batch([state.slot for state in live])
@@ -159,6 +201,17 @@ class Thinker(SlotGenerator):
                 state.rows.append(rows[row : row + 1])
         self.pick(live, output.logits)
         cache.advance()
+
+    def graphed_rows(self, read: tuple[Launched, list[GenerationState]] | None) -> None:
+        """The talker rows of a graphed step just read (the row of the token each state fed
+        in, as the eager step appends it): a view of the step's rows per speaking state."""
+        if read is None:
+            return
+        launched, states = read
+        rows = launched.extra["rows"]
+        for state in states:
+            if isinstance(state, ThinkerState) and state.speak:
+                state.rows.append(rows[state.slot.index : state.slot.index + 1])
 
     def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
         raise InvalidArgument("the thinker takes no streamed input")

@@ -1,0 +1,376 @@
+"""The GPU decode path of a continuously batched generator (GLM-Image's prior, Qwen2.5-Omni's
+thinker): one decode step over all the slots a batch spans, recorded once per batch-size bucket
+as a CUDA graph and replayed every token, so the GPU never waits on the host.
+
+What a step is, on the device only:
+- the KV cache is KVSlots' buffers, preallocated once at their full size (`KVSlots.reserve`):
+  a row per slot, so the graph's addresses never change; a row of the batch IS a slot (rows
+  0..B-1 of the buffers), and slots in that span that do not step this time (free, or not in
+  this step's batch) are padding: they compute, but nothing they make is kept;
+- attention is one FlexAttention call per layer over every row, each row reading only its own
+  tokens: a block mask built in the graph from the rows' lengths lists, per row, the 128-token
+  KV blocks it holds (`ATTENTION` says why this one; `benchmarks/ar_generation.py --attention`
+  measures it against per-row and padded SDPA);
+- the next token is picked in the graph: the requests' logits processors (the same for every
+  row: the step's batch key), then argmax, or softmax and an exponential race (what
+  `torch.multinomial` does for one sample) with each slot's own generator, registered with
+  every graph;
+- the picked token is the next step's input, lengths and step counts advance, in the graph; the
+  host reads the picked tokens one step late (a pinned copy and an event), so it never waits for
+  the step it just launched.
+
+What holds: a request's tokens depend on its seed and its slot's generator, not on its batch
+mates' tokens (attention is per row; matrix products in bfloat16 were batch-invariant where
+measured); they are not `generate`'s (another RNG stream, another attention kernel). The CPU
+keeps the eager path, bitwise `generate` for a lone request (kv_slots.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+from omni_common.models.fused_projections import fuse_projections
+from omni_common.models.kv_slots import KVSlots
+
+GRAPHED_ATTENTION = "omnistage_graphed_rows"
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # batch sizes a graph is recorded for
+KV_BLOCK = 128  # FlexAttention's KV block: a row reads ceil(length / 128) blocks
+ATTENTION = ("flex", "padded")  # "padded": one masked SDPA over the full capacity (measurement)
+
+_flex: Callable[..., Any] | None = None
+
+
+def _compiled_flex() -> Callable[..., Any]:
+    """flex_attention compiled once per process (its eager form is a reference, not a kernel)."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _flex
+
+
+def graphed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    row_attention: RowAttention | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: with `row_attention` (a graphed decode step: `key`
+    and `value` are the rows' whole buffers), each row attends to its own tokens in one call;
+    otherwise transformers' SDPA (prefills)."""
+    if row_attention is None:  # a prefill: transformers' SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scale = cast(float, getattr(module, "scaling", query.shape[-1] ** -0.5))
+    if row_attention.kind == "flex":
+        out = _compiled_flex()(
+            query, key, value, block_mask=row_attention.block_mask, scale=scale, enable_gqa=True
+        )
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=row_attention.padded_mask, scale=scale, enable_gqa=True
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask function of GRAPHED_ATTENTION: decode steps mask per row themselves; prefills
+    (one request, causal, no padding) need none from transformers either, as SDPA's causal flag."""
+    return None
+
+
+@dataclass(eq=False)
+class RowAttention:
+    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask."""
+
+    kind: str
+    block_mask: Any = None
+    padded_mask: torch.Tensor | None = None
+
+
+class GraphedCache:
+    """`past_key_values` of a graphed step: writes each row's new key/value at its length and
+    hands the attention the rows' whole buffers (the mask limits what each row reads)."""
+
+    is_compileable = False
+
+    def __init__(self, slots: KVSlots, rows: int, write_at: torch.Tensor) -> None:
+        self.slots = slots
+        self.rows = rows
+        self.row_index = torch.arange(rows, device=write_at.device)
+        self.write_at = write_at  # [rows] this step's position per row (its length before it)
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self.slots.keys[layer_idx][: self.rows]
+        values = self.slots.values[layer_idx][: self.rows]
+        keys[self.row_index, :, self.write_at] = key[:, :, 0]
+        values[self.row_index, :, self.write_at] = value[:, :, 0]
+        return keys, values
+
+    # Transformers' mask helpers size their (unused) masks from these; no host sync in them.
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
+        return self.slots.capacity - 1
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return self.slots.capacity, 0
+
+
+def use_graphed_attention(text_model: Any) -> None:
+    """Make a transformers decoder attend through `graphed_attention` (registered process-wide
+    under GRAPHED_ATTENTION): SDPA for its prefills, rows for graphed steps."""
+    AttentionInterface.register(GRAPHED_ATTENTION, graphed_attention)
+    AttentionMaskInterface.register(GRAPHED_ATTENTION, _no_mask)
+    text_model.set_attn_implementation(GRAPHED_ATTENTION)
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder inside a transformers model (embeddings, layers, final norm), whatever
+    the version nests it under."""
+    for module in model.modules():
+        if all(hasattr(module, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+            return module
+    raise ValueError(f"{type(model).__name__} holds no text decoder")
+
+
+@dataclass(eq=False)
+class Launched:
+    """A step the host has not read yet: its rows (slot indices), the pinned copy of its
+    tokens (-1: the row's logits were not finite) and the event after that copy."""
+
+    rows: list[int]
+    tokens: torch.Tensor
+    event: torch.cuda.Event | None  # None off CUDA (the step ran eagerly, it is done)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class GraphedDecode:
+    """Decode steps of one decoder over KVSlots' rows, recorded per batch bucket and sampling
+    key. `join` a slot after its prefill, then `launch` steps; the caller reads each step's
+    `Launched` once its event has passed (SlotGenerator.graphed_step: a step late)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        slots: KVSlots,
+        *,
+        position_rows: int,
+        max_steps: int,
+        keep_rows: bool = False,
+        attention: str = "flex",
+        compile: bool = True,
+        fuse: bool = True,
+    ) -> None:
+        """`compile`: on CUDA, compile the forward (fusing its many small kernels) before it is
+        recorded; a graph of eager kernels spends ~3 ms a step in their launches' gaps. `fuse`:
+        on CUDA, run each layer's q/k/v and gate/up projections as one product each
+        (fused_projections.py; prefills then run them so too)."""
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
+        self.model = model
+        self.decoder = decoder_of(model)
+        if fuse and slots.device.type == "cuda":
+            fuse_projections(self.decoder)
+        self.lm_head = cast(torch.nn.Module, model.get_output_embeddings())  # type: ignore[operator]
+        self.slots = slots
+        # FlexAttention is a compiled (Triton) kernel: off CUDA the padded form checks the step.
+        self.attention = attention if slots.device.type == "cuda" else "padded"
+        self.keep_rows = keep_rows  # also keep each row's last hidden + input embedding (talker)
+        self.position_rows = position_rows
+        self._forward_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._forward
+        if compile and slots.device.type == "cuda":
+            # One compiled forward per bucket size (static shapes): raise dynamo's recompile
+            # limit to the number of buckets.
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 2 * len(BUCKETS)))
+            self._forward_fn = torch.compile(self._forward, dynamic=False)
+        self.cache_argument = (
+            "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
+        )
+        device, slot_count = slots.device, slots.max_slots
+        self.device = device
+        # Per slot, written by `join` and advanced by the graphs.
+        self.next_ids = torch.zeros(slot_count, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(slot_count, dtype=torch.long, device=device)  # tokens cached
+        self.steps = torch.zeros(slot_count, dtype=torch.long, device=device)  # tokens picked
+        self.active = torch.zeros(slot_count, dtype=torch.long, device=device)
+        # Rope positions of each slot's picked tokens: [slots, position_rows, max_steps].
+        self.rope = torch.zeros(slot_count, position_rows, max_steps, dtype=torch.long, device=device)
+        self.generators = [torch.Generator(device) for _ in range(slot_count)]
+        # Per (bucket, sampling key): the recorded step and its outputs (None, {} off CUDA).
+        self.graphs: dict[
+            tuple[int, Hashable], tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]
+        ] = {}
+        self.pool: Any = None
+        self.captures = 0  # graphs recorded, for tests: none per request
+        self._active_rows: tuple[int, ...] = ()
+        block_count = slots.capacity // KV_BLOCK
+        self.kv_indices = (
+            torch.arange(block_count, dtype=torch.int32, device=device)
+            .view(1, 1, 1, -1)
+            .expand(slot_count, 1, 1, -1)
+        ).contiguous()
+
+    # ---- host side -------------------------------------------------------------------------
+    def join(
+        self,
+        slot: int,
+        first_token: torch.Tensor,
+        length: int,
+        positions: torch.Tensor | None,
+        generator: torch.Generator,
+    ) -> None:
+        """Make slot `slot` a row: `length` tokens cached (its prefill), `first_token` ([1] or
+        [1, 1], on the device) picked, `positions` [position_rows, n] the rope positions of its
+        picked tokens (None: text positions, length + i in every row), `generator` its stream."""
+        self.next_ids[slot : slot + 1].copy_(first_token.view(-1)[:1])
+        self.lengths[slot] = length
+        self.steps[slot] = 1
+        if positions is None:
+            count = self.rope.shape[2]
+            positions = torch.arange(length, length + count, device=self.device).expand(
+                self.position_rows, -1
+            )
+        self.rope[slot, :, : positions.shape[1]] = positions[:, : self.rope.shape[2]]
+        # The request's own stream goes on where its prefill's draw left it: the same draws
+        # `torch.multinomial` (one sample: an exponential race) would take next.
+        self.generators[slot].set_state(generator.get_state())
+
+    def bucket(self, rows: Sequence[int]) -> int:
+        span = max(rows) + 1
+        for size in BUCKETS:
+            if size >= span:
+                return min(size, self.slots.max_slots)
+        return self.slots.max_slots
+
+    @torch.no_grad()
+    def launch(self, rows: Sequence[int], key: Hashable, processors: Any, do_sample: bool) -> Launched:
+        """Replay (record first, once per bucket and key) one step for slots `rows`."""
+        size = self.bucket(rows)
+        if tuple(rows) != self._active_rows:  # joins and leaves only: one small copy then
+            cuda = self.device.type == "cuda"
+            mask = torch.zeros(self.slots.max_slots, dtype=torch.long, pin_memory=cuda)
+            mask[list(rows)] = 1
+            self.active.copy_(mask, non_blocking=cuda)
+            self._active_rows = tuple(rows)
+        entry = self.graphs.get((size, key))
+        if entry is None:
+            entry = self._record(size, processors, do_sample) if self.device.type == "cuda" else (None, {})
+            self.graphs[size, key] = entry
+        graph, outputs = entry
+        if graph is None:  # not recording (off CUDA): the same step, run eagerly
+            outputs = self._step(size, processors, do_sample, self.generators[:size])
+        else:
+            graph.replay()
+        cuda = self.device.type == "cuda"
+        tokens = torch.empty(size, dtype=torch.long, pin_memory=cuda)
+        tokens.copy_(outputs["tokens"], non_blocking=cuda)
+        extra = {"rows": outputs["rows"].clone()} if self.keep_rows else {}
+        event = torch.cuda.Event() if cuda else None
+        if event is not None:
+            event.record()
+        return Launched(list(rows), tokens, event, extra)
+
+    # ---- the step, as recorded -------------------------------------------------------------
+    def _record(
+        self, size: int, processors: Any, do_sample: bool
+    ) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
+        """Warm up (compiles FlexAttention for this shape) on a side stream, then record."""
+
+        saved = [self.next_ids.clone(), self.lengths.clone(), self.steps.clone()]
+        # Warm-ups draw from scratch generators: the rows' own streams stay where they are.
+        scratch = [torch.Generator(self.device) for _ in range(size)]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step(size, processors, do_sample, scratch)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # The warm-ups advanced the rows: put them back (their KV writes land at each row's
+        # length, where its next step writes again).
+        for tensor, value in zip((self.next_ids, self.lengths, self.steps), saved, strict=True):
+            tensor.copy_(value)
+        graph = torch.cuda.CUDAGraph()
+        for generator in self.generators[:size]:
+            graph.register_generator_state(generator)
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self._step(size, processors, do_sample, self.generators[:size])
+        self.pool = graph.pool()
+        self.captures += 1
+        return graph, outputs
+
+    def _row_attention(self, size: int, kv_length: torch.Tensor) -> RowAttention:
+        capacity = self.slots.capacity
+        if self.attention == "padded":
+            mask = torch.arange(capacity, device=self.device).view(1, 1, 1, -1) < kv_length.view(-1, 1, 1, 1)
+            return RowAttention("padded", padded_mask=mask)
+        from torch.nn.attention.flex_attention import BlockMask
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return kv < kv_length[b]
+
+        blocks = ((kv_length + KV_BLOCK - 1) // KV_BLOCK).to(torch.int32).view(size, 1, 1)
+        options: dict[str, Any] = {"BLOCK_SIZE": KV_BLOCK, "mask_mod": mask_mod, "seq_lengths": (1, capacity)}
+        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+            options["compute_q_blocks"] = False  # only backward reads them
+        return RowAttention(
+            "flex", block_mask=BlockMask.from_kv_blocks(blocks, self.kv_indices[:size], **options)
+        )
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' decoder forward (compiled on CUDA): (last hidden [size, H], input
+        embeddings [size, H], float32 logits [size, vocab])."""
+        lengths = self.lengths[:size]
+        index = (self.steps[:size] - 1).clamp(min=0, max=self.rope.shape[2] - 1).view(size, 1, 1)
+        positions = torch.gather(self.rope[:size], 2, index.expand(-1, self.position_rows, 1)).transpose(0, 1)
+        embeds = self.decoder.embed_tokens(self.next_ids[:size])  # type: ignore[operator]
+        output = self.decoder(
+            inputs_embeds=embeds.unsqueeze(1),
+            position_ids=positions,
+            use_cache=True,
+            row_attention=self._row_attention(size, lengths + 1),
+            **{self.cache_argument: GraphedCache(self.slots, size, lengths)},
+        )
+        hidden = output.last_hidden_state[:, 0]
+        return hidden, embeds, self.lm_head(hidden).float()
+
+    def _step(
+        self, size: int, processors: Any, do_sample: bool, generators: Sequence[torch.Generator]
+    ) -> dict[str, torch.Tensor]:
+        """A step of rows 0..size-1: the forward, the pick, the rows advanced (active ones)."""
+        active = self.active[:size]
+        ids = self.next_ids[:size]
+        hidden, embeds, scores = self._forward_fn(size)
+        finite = torch.isfinite(scores).all(dim=-1)
+        if processors is not None:
+            scores = processors(None, scores)
+        if do_sample:  # what torch.multinomial does for one sample, a generator per row
+            probs = torch.softmax(scores, dim=-1)
+            race = torch.stack([torch.empty_like(probs[0]).exponential_(1, generator=g) for g in generators])
+            picked = (probs / race).argmax(dim=-1)
+        else:
+            picked = scores.argmax(dim=-1)
+        tokens = torch.where(finite, picked, -1)
+        self.next_ids[:size].copy_(torch.where(active.bool(), picked, ids))
+        self.lengths[:size].add_(active)
+        self.steps[:size].add_(active)
+        outputs = {"tokens": tokens}
+        if self.keep_rows:
+            outputs["rows"] = hidden + embeds
+        return outputs

@@ -1,0 +1,68 @@
+"""Random-weights Qwen2.5-Omni model directories: config.json, tokenizer and spk_dict.pt, no
+weights. Every process that loads one (each of the thinker, talker, token2wav and vocoder roles)
+builds the same seeded weights of its part on its device (`checkpoint.load_part`).
+
+`full_size`: Qwen2.5-Omni-7B's architecture (transformers' `Qwen2_5OmniConfig` defaults: thinker
+7 B with its audio and vision towers, talker, token2wav), with the fixture's tokenizer (ids only
+need to fit the 152,064-row embedding) and speakers of the real widths; otherwise the tiny
+fixture's config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen2_5OmniConfig
+
+from omni_common.models.qwen_omni.checkpoint import SPEAKERS_FILE
+from omni_common.models.qwen_omni.fixture import (
+    MEL_DIM,
+    REF_MEL_FRAMES,
+    SPEAKERS,
+    build_config,
+    build_tokenizer,
+)
+from omni_common.models.weights import RANDOM_WEIGHTS_FILE
+
+
+def full_size_config(tokenizer: Any) -> Qwen2_5OmniConfig:
+    """Qwen2.5-Omni-7B's config, its text-side special ids those of `tokenizer`."""
+    config: Any = Qwen2_5OmniConfig()
+    tiny: Any = build_config(tokenizer)
+    text, tiny_text = config.thinker_config.text_config, tiny.thinker_config.text_config
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(text, name, getattr(tiny_text, name))
+    # Not thinker-config fields, but the real config.json has them and get_rope_index reads them.
+    for name in ("vision_start_token_id", "vision_end_token_id"):
+        setattr(config.thinker_config, name, getattr(tiny.thinker_config, name))
+    for name in ("tts_text_start_token_id", "tts_text_end_token_id", "tts_text_pad_token_id"):
+        setattr(config.talker_config, name, getattr(tiny.talker_config, name))
+    return config
+
+
+def write_random_model(out_dir: Path, *, full_size: bool, seed: int = 0) -> Path:
+    """Write a random-weights Qwen2.5-Omni directory (configs, tokenizer, speakers) to `out_dir`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    tokenizer = build_tokenizer()
+    config: Any = full_size_config(tokenizer) if full_size else build_config(tokenizer)
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    width = config.token2wav_config.dit_config.enc_emb_dim
+    speakers = {}
+    for index, name in enumerate(SPEAKERS):
+        generator = torch.Generator().manual_seed(seed + index)
+        speakers[name] = {
+            "cond": torch.randn(1, width, generator=generator),
+            "ref_mel": torch.randn(1, REF_MEL_FRAMES, MEL_DIM, generator=generator),
+            "bos_token": tokenizer.get_vocab()[f"<|spk_{name.lower()}|>"],
+        }
+    torch.save(speakers, out_dir / SPEAKERS_FILE)
+    (out_dir / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}) + "\n")
+    return out_dir

@@ -1,0 +1,47 @@
+"""The graphed decode's step (graphed_decode.py), run unrecorded on the CPU (padded attention,
+float32, tiny GLM-Image): requests that join mid-decode and leave early pick exactly the eager
+decode's tokens, read a step late. The recorded form is pinned on a GPU by
+tests/gpu/test_graphed_decode.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omni_common.models.base import GenerationRequest, StageState
+from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
+
+CPU = torch.device("cpu")
+PROMPTS = ["a red cafe", "a blue boat with a long sign", "kite"]
+
+
+def run(prior: GlmImagePrior) -> dict[int, list[int]]:
+    """Request 0 from step 0, 1 from step 3 (released at step 40), 2 from step 5."""
+    states: dict[int, PriorState] = {}
+    step = 0
+    while step < 6 or any(not prior.is_done(s) for s in states.values()):
+        for i, at in ((0, 0), (1, 3), (2, 5)):
+            if at == step:
+                request = GenerationRequest(prompt=PROMPTS[i], width=64, height=64, seed=i)
+                states[i] = prior.prepare(request, StageState({}))
+        if step == 40:
+            prior.release(states.pop(1))
+        prior.step([s for s in states.values() if not prior.is_done(s)])
+        step += 1
+    for state in states.values():
+        prior.release(state)
+    return {i: state.sampled.tolist() for i, state in states.items()}
+
+
+def test_the_unrecorded_graphed_step_picks_the_eager_tokens(glm_model: Path) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eager = GlmImagePrior.load(glm_model, CPU, torch.float32, max_slots=4, decode="eager")
+        graphed = GlmImagePrior.load(
+            glm_model, CPU, torch.float32, max_slots=4, max_tokens=1024, decode="graphs"
+        )
+        assert run(graphed) == run(eager)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,57 @@
+"""`omnistage fixture --family glm-image|qwen2.5-omni --random-weights tiny|full`: directories of
+configs (no weights) whose loaders build the same seeded weights in every process, at the real
+sizes with `full`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_common.models.glm_image.prior import GlmImagePrior
+from omni_common.models.glm_image.random_model import write_random_model as write_glm
+from omni_common.models.qwen_omni.random_model import write_random_model as write_omni
+from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.models.weights import random_weights_seed
+
+CPU = torch.device("cpu")
+
+
+def digest(module: torch.nn.Module) -> str:
+    found = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        found.update(name.encode() + tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return found.hexdigest()
+
+
+def test_full_size_directories_hold_the_real_configs_and_no_weights(tmp_path: Path) -> None:
+    glm = write_glm(tmp_path / "glm", full_size=True, seed=5)
+    omni = write_omni(tmp_path / "omni", full_size=True, seed=5)
+    for model_dir in (glm, omni):
+        assert random_weights_seed(model_dir) == 5
+        assert not list(model_dir.rglob("*.safetensors"))
+    text = json.loads((glm / "vision_language_encoder" / "config.json").read_text())["text_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (4096, 40, 168064)
+    assert json.loads((glm / "transformer" / "config.json").read_text())["num_layers"] == 30
+    thinker = json.loads((omni / "config.json").read_text())["thinker_config"]["text_config"]
+    assert (thinker["hidden_size"], thinker["num_hidden_layers"], thinker["vocab_size"]) == (3584, 28, 152064)
+
+
+@pytest.mark.parametrize("family", ["glm-image", "qwen2.5-omni"])
+def test_tiny_random_directories_load_the_same_seeded_weights_each_time(tmp_path: Path, family: str) -> None:
+    if family == "glm-image":
+        model_dir = write_glm(tmp_path / "glm", full_size=False, seed=1)
+
+        def load() -> torch.nn.Module:
+            return GlmImagePrior.load(model_dir, CPU, torch.float32, max_slots=2).model
+    else:
+        model_dir = write_omni(tmp_path / "omni", full_size=False, seed=1)
+
+        def load() -> torch.nn.Module:
+            return Thinker.load(model_dir, CPU, torch.float32, max_slots=2).model
+
+    assert not list(model_dir.rglob("*.safetensors"))
+    assert digest(load()) == digest(load())
