@@ -27,6 +27,7 @@ from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import advertised_address, run, serve
 from omni_common.transport import TensorTransport, add_tensor_store
 from omni_common.validation import (
+    check_media_parts,
     check_options,
     check_request_id,
     check_takes_loras,
@@ -112,6 +113,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(f"model {model!r} takes {allowed} input images; got {len(images)}")
         gen = replace(to_request(params, max_pixels=self.max_pixels, images=images), audios=audios)
         check_options(dict(gen.options), family.card.options, family.name)
+        check_media_parts(gen)
         check_takes_loras(gen, family.card, family.name)
         family.validate(gen)
         return Accepted(request_id, params, family.plan(gen), media)

@@ -34,7 +34,7 @@ from omni_common.models.base import (
     input_audio_name,
     input_image_name,
 )
-from omni_common.validation import check_media_parts, check_options
+from omni_common.validation import check_options
 
 SAMPLE_RATE = 24_000
 # What the thinker hears: Whisper's feature extractor at 16 kHz (nothing is resampled), at most
@@ -110,7 +110,6 @@ class QwenOmniFamily:
         if request.negative_prompt:
             raise InvalidArgument(f"{self.name} takes no negative prompt")
         self._check_audios(request)
-        check_media_parts(request)
         if request.messages and request.messages[-1].role == "assistant":
             raise InvalidArgument("the conversation must not end with an assistant message: the reply is")
         if request.num_inference_steps < 2:

@@ -150,6 +150,11 @@ def process(
     `MEDIA_INPUTS`), from its media tensors (`input.audio.i`, `input.image.i`)."""
     messages = conversation(request)
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    shown = [input_audio_name(i) for i in media_order(messages, "audio")]
+    shown += [input_image_name(i) for i in media_order(messages, "image")]
+    missing = [name for name in shown if name not in tensors]
+    if missing:  # the coordinator checks this; a stage called directly may be sent anything
+        raise InvalidArgument(f"the messages show {missing[0]}, which the call does not carry")
     audios = [_audio(processor, tensors, i) for i in media_order(messages, "audio")]
     images = [decode_image(tensors[input_image_name(i)], index=i) for i in media_order(messages, "image")]
     return processor(

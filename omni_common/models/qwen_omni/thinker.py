@@ -82,8 +82,14 @@ class Thinker(SlotGenerator):
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: torch.device, dtype: torch.dtype, max_slots: int = MAX_SLOTS
+        cls,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_slots: int = MAX_SLOTS,
+        prefix_bytes: int = DEFAULT_MAX_BYTES,
     ) -> Thinker:
+        """The checkpoint's thinker; `prefix_bytes` bounds its prefix KV cache (0: off)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen2_5OmniThinkerForConditionalGeneration,
@@ -95,7 +101,8 @@ class Thinker(SlotGenerator):
         )
         talker: Any = config.talker_config
         ids = (talker.tts_text_end_token_id, talker.tts_text_pad_token_id)
-        return cls(model, load_processor(model_dir), load_speakers(model_dir), ids, device, dtype, max_slots)
+        processor = load_processor(model_dir)
+        return cls(model, processor, load_speakers(model_dir), ids, device, dtype, max_slots, prefix_bytes)
 
     def prefix_stats(self) -> PrefixStats:
         """The prefix cache's counters (SupportsPrefixCache: the stage's metrics)."""
