@@ -6,12 +6,15 @@ transformers' on the full history each turn while reusing the earlier turns' KV.
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
@@ -23,7 +26,7 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.qwen_omni.reference import reference_generate
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2
-from tests.integration.conftest import InProcessCluster, scrape
+from tests.integration.conftest import InProcessCluster, InProcessGateway, scrape
 
 PROMPT = "What is this?"
 CAPS = {"max_new_tokens": 12, "talker_max_new_tokens": 40}
@@ -200,3 +203,76 @@ def test_a_conversation_without_the_prefix_cache_gives_the_same_replies(
     assert [r.text for r in with_cache] == [r.text for r in without]
     for cached, plain in zip(with_cache, without, strict=True):
         np.testing.assert_array_equal(cached.audio, plain.audio)
+
+
+@pytest.fixture(scope="module")
+def gateway(omni: InProcessCluster) -> Iterator[InProcessGateway]:
+    running = InProcessGateway(omni.loop, omni.coordinator)
+    yield running
+    running.stop()
+
+
+def openai_client(gateway: InProcessGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def served_model(omni: InProcessCluster) -> str:
+    with Client(omni.coordinator) as client:
+        (model,) = client.list_models()
+    return model.name
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_the_gateway_chat_takes_input_audio_and_image_url_data_urls(
+    omni: InProcessCluster, gateway: InProcessGateway
+) -> None:
+    audio, image = clip(seed=4), picture(seed=4)
+    content: list[Any] = [
+        {"type": "input_audio", "input_audio": {"data": b64(audio), "format": "wav"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(image)}},
+        {"type": "text", "text": PROMPT},
+    ]
+    completion = openai_client(gateway).chat.completions.create(
+        model=served_model(omni),
+        messages=[{"role": "user", "content": content}],
+        modalities=["text"],
+        seed=5,
+        extra_body={"options": CAPS},
+    )
+    with Client(omni.coordinator) as client:
+        reply = client.speak(PROMPT, audio=[audio], images=[image], seed=5, speak=False, options=CAPS)
+    assert completion.choices[0].message.content == reply.text
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "never fetches URLs"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(picture()[:40])}},
+            "not a readable image",
+        ),
+        ({"type": "input_audio", "input_audio": {"data": b64(b"not audio"), "format": "wav"}}, "not a WAV"),
+        ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, "not valid base64"),
+        ({"type": "input_audio", "input_audio": {"data": b64(clip()), "format": "mp3"}}, "wav or flac"),
+        ({"type": "input_audio", "input_audio": {"data": b64(clip(rate=8000)), "format": "wav"}}, "16000 Hz"),
+        ({"type": "input_audio", "input_audio": {"data": b64(clip(seconds=0)), "format": "wav"}}, "0 s"),
+    ],
+    ids=["http-url", "broken-image", "not-audio", "bad-base64", "mp3", "wrong-rate", "zero-seconds"],
+)
+def test_hostile_gateway_media_get_400_about_messages(
+    omni: InProcessCluster, gateway: InProcessGateway, part: dict[str, Any], message: str
+) -> None:
+    content = [part, {"type": "text", "text": PROMPT}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client(gateway).chat.completions.create(
+            model=served_model(omni),
+            messages=[{"role": "user", "content": content}],
+            extra_body={"options": CAPS},
+        )
+    assert raised.value.status_code == 400 and message in raised.value.message
+    body: Any = raised.value.body
+    assert body.get("param") == "messages"
