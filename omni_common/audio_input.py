@@ -83,7 +83,8 @@ def decode_audio_file(data: bytes, *, index: int = 0) -> tuple[np.ndarray, int]:
         raise InvalidArgument(f"input audio {index} has no samples (0 s)")
     if samples.size > MAX_AUDIO_SECONDS * rate:
         raise InvalidArgument(
-            f"input audio {index} lasts {samples.size / rate:.1f} s; this server takes at most {MAX_AUDIO_SECONDS} s"
+            f"input audio {index} lasts {samples.size / rate:.1f} s; "
+            f"this server takes at most {MAX_AUDIO_SECONDS} s"
         )
     if not np.isfinite(samples).all():
         raise InvalidArgument(f"input audio {index} has samples that are not finite")
@@ -146,7 +147,8 @@ def _decode_flac(data: bytes, index: int) -> tuple[np.ndarray, int]:
         import soundfile  # optional: not a dependency of the server
     except ImportError:
         raise InvalidArgument(
-            f"input audio {index} is FLAC, which this server cannot decode (no soundfile package); send WAV or PCM"
+            f"input audio {index} is FLAC, which this server cannot decode (no soundfile package); "
+            "send WAV or PCM"
         ) from None
     try:
         values, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)

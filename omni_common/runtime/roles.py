@@ -120,7 +120,11 @@ class StepRole:
         runner = self.scheduler.runner
         if isinstance(runner, SupportsPrefixCache):  # read when metrics are scraped
             stats = runner.prefix_stats()
-            totals.prefix_hits, totals.prefix_misses, totals.prefix_bytes = stats.hits, stats.misses, stats.bytes
+            totals.prefix_hits, totals.prefix_misses, totals.prefix_bytes = (
+                stats.hits,
+                stats.misses,
+                stats.bytes,
+            )
         return totals
 
     def close(self) -> None:

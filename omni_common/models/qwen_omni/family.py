@@ -128,7 +128,8 @@ class QwenOmniFamily:
                 )
             if clip.seconds > MAX_AUDIO_SECONDS:
                 raise InvalidArgument(
-                    f"input audio {i} lasts {clip.seconds:.1f} s; {self.name} takes at most {MAX_AUDIO_SECONDS} s"
+                    f"input audio {i} lasts {clip.seconds:.1f} s; "
+                    f"{self.name} takes at most {MAX_AUDIO_SECONDS} s"
                 )
 
     def plan(self, request: GenerationRequest) -> Plan:

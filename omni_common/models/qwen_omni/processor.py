@@ -46,7 +46,7 @@ MEDIA_TOKENS = {
 }
 # Qwen2.5-Omni's published preprocessor settings, for checkpoints built here (the fixture, the
 # random real-size build); `chunk_length` is the longest clip the thinker hears, in seconds.
-FEATURE_EXTRACTOR = {
+FEATURE_EXTRACTOR: dict[str, Any] = {
     "feature_size": 128,
     "sampling_rate": 16000,
     "hop_length": 160,
@@ -55,7 +55,7 @@ FEATURE_EXTRACTOR = {
     "padding_value": 0.0,
     "return_attention_mask": True,
 }
-IMAGE_PROCESSOR = {
+IMAGE_PROCESSOR: dict[str, Any] = {
     "min_pixels": 3136,
     "max_pixels": 12845056,
     "patch_size": 14,
