@@ -104,6 +104,10 @@ class Thinker(SlotGenerator):
         processor = load_processor(model_dir)
         return cls(model, processor, load_speakers(model_dir), ids, device, dtype, max_slots, prefix_bytes)
 
+    def weights_changed(self) -> None:
+        """New weights (LoadWeights): the kept prefixes' KV was computed with the old ones."""
+        self.prefixes.clear()
+
     def prefix_stats(self) -> PrefixStats:
         """The prefix cache's counters (SupportsPrefixCache: the stage's metrics)."""
         return self.prefixes.stats
