@@ -29,6 +29,7 @@ from transformers import Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGene
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.graphed_decode import decoder_of
 from omni_common.models.qwen_omni.fixture import build_tokenizer
+from omni_common.models.qwen_omni.processor import load_processor
 from omni_common.models.qwen_omni.thinker import Thinker
 
 PROMPT = " ".join(["Tell me a short story about a red kite over the sea."] * 5)
@@ -297,12 +298,16 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth_gb_s=round(rate / 1e9, 1),
         floor_ms=round(floor_bytes / rate * 1e3, 3),
     )
-    tokenizer = build_tokenizer()
+    # The thinker reads prompts through the processor: the fixture's tokenizer, saved, with the
+    # published feature-extractor and image settings.
+    processor_dir = Path(tempfile.mkdtemp())
+    build_tokenizer().save_pretrained(processor_dir)
+    processor = load_processor(processor_dir)
     ids = torch.tensor([[i % 300 + 20 for i in range(64)]], device=device)
     for attention in args.attention:
         thinker = Thinker(
             model,
-            tokenizer,
+            processor,
             {"Chelsie": {"bos_token": 10}},
             (11, 12),
             device,
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         model.set_attn_implementation("sdpa")  # the graphed runner switched it
         thinker = Thinker(
             model,
-            tokenizer,
+            processor,
             {"Chelsie": {"bos_token": 10}},
             (11, 12),
             device,

@@ -12,15 +12,18 @@ streams. What `Client.chat` / `Client.speak` use:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 
 from omni_common.audio import decode_audio, write_wav
 from omni_common.errors import OmniError
+from omni_common.media import AudioLike, ImageLike, input_media
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2
 
@@ -74,10 +77,15 @@ class Reply:
         write_wav(Path(path), self.audio, self.sample_rate)
 
 
+Messages = Sequence[Mapping[str, Any]]
+
+
 def chat_request(
-    prompt: str,
+    prompt: str | Messages,
     *,
-    audio: bool = True,
+    audio: bool | AudioLike | Sequence[AudioLike] = True,
+    images: Sequence[ImageLike] = (),
+    speak: bool | None = None,
     speaker: str | None = None,
     model: str = "",
     seed: int = 0,
@@ -87,18 +95,62 @@ def chat_request(
     request_id: str = "",
     options: Mapping[str, object] | None = None,
 ) -> cpb.GenerateRequest:
-    """The GenerateRequest of one chat turn (options: the model's others, e.g. talker sampling)."""
+    """The GenerateRequest of one chat turn: `prompt` (one user turn, after the input clips and
+    images) or a conversation (`messages`: dicts of "role" and "content", a string or a list of
+    {"type": "text", "text": ...}, {"type": "audio", "audio": i}, {"type": "image", "image": i}
+    parts, i indexing `audio` / `images`).
+
+    `audio`: input clips (a WAV or FLAC file's bytes or path, or (samples, rate)); a bool keeps
+    its first meaning, whether the reply is spoken, which `speak` now says (options: the
+    model's others, e.g. talker sampling)."""
     if audio_format not in AUDIO_FORMATS:
         raise ValueError(f"audio_format must be one of {sorted(AUDIO_FORMATS)}, not {audio_format!r}")
-    chosen: dict[str, object] = {"audio": int(audio), "stream_audio": int(stream_audio), **(options or {})}
+    clips: list[AudioLike] = []
+    if isinstance(audio, bool):
+        speak = audio if speak is None else speak
+    elif isinstance(audio, (bytes, str, os.PathLike, tuple)):
+        clips = [audio]
+    else:
+        clips = list(audio)
+    spoken = True if speak is None else speak
+    chosen: dict[str, object] = {"audio": int(spoken), "stream_audio": int(stream_audio), **(options or {})}
     if speaker is not None:
         chosen["speaker"] = speaker
     if max_new_tokens is not None:
         chosen["max_new_tokens"] = max_new_tokens
     params = stage_pb2.GenerationParams(
-        model=model, prompt=prompt, seed=seed, options={name: str(value) for name, value in chosen.items()}
+        model=model, seed=seed, options={name: str(value) for name, value in chosen.items()}
     )
-    return cpb.GenerateRequest(params=params, request_id=request_id, audio_format=AUDIO_FORMATS[audio_format])
+    if isinstance(prompt, str):
+        params.prompt = prompt
+    else:
+        params.messages.extend(chat_message(message) for message in prompt)
+    return cpb.GenerateRequest(
+        params=params,
+        request_id=request_id,
+        audio_format=AUDIO_FORMATS[audio_format],
+        inputs=input_media(clips, images),
+    )
+
+
+def chat_message(message: Mapping[str, Any]) -> stage_pb2.ChatMessage:
+    """One conversation message (see `chat_request`) as a ChatMessage; ValueError for a part
+    of another shape."""
+    content = message.get("content", "")
+    if isinstance(content, str):
+        return stage_pb2.ChatMessage(role=message["role"], parts=[stage_pb2.ChatPart(text=content)])
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            parts.append(stage_pb2.ChatPart(text=part["text"]))
+        elif kind == "audio":
+            parts.append(stage_pb2.ChatPart(audio=int(part["audio"])))
+        elif kind == "image":
+            parts.append(stage_pb2.ChatPart(image=int(part["image"])))
+        else:
+            raise ValueError(f"a message part must be text, audio or image, not {kind!r}")
+    return stage_pb2.ChatMessage(role=message["role"], parts=parts)
 
 
 def chat_piece(event: cpb.GenerateEvent) -> ChatPiece | None:

@@ -32,8 +32,9 @@ import grpc
 import numpy as np
 from PIL import Image
 
-from omni_common.chat import ChatPiece, Reply, ReplyBuilder, chat_request
+from omni_common.chat import ChatPiece, Messages, Reply, ReplyBuilder, chat_request
 from omni_common.errors import OmniError, error_from_rpc
+from omni_common.media import ImageLike, image_bytes
 from omni_common.net.auth import API_KEY_HEADER
 from omni_common.net.rpc import Metadata, aio_channel, sync_channel
 from omni_common.net.tls import TlsSettings, client_settings
@@ -41,22 +42,6 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-ImageLike = Image.Image | bytes | str | os.PathLike[str]
-
-
-def image_bytes(image: ImageLike) -> bytes:
-    """An input image as encoded file bytes: a PIL image is sent as PNG (lossless), a path is
-    read, bytes are sent as they are (the server checks them)."""
-    if isinstance(image, Image.Image):
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        return buffer.getvalue()
-    if isinstance(image, bytes):
-        return image
-    with open(image, "rb") as file:
-        return file.read()
-
-
 LoraLike = str | tuple[str, float]
 
 
@@ -275,16 +260,19 @@ class Client(_Connection):
         finally:
             call.cancel()
 
-    def chat(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Iterator[ChatPiece]:
-        """The reply to `prompt` as it streams: TextDelta and SpeechChunk pieces (kwargs as in
-        omni_common.chat.chat_request: audio, speaker, model, seed, ...)."""
+    def chat(
+        self, prompt: str | Messages, *, timeout: float | None = None, **kwargs: object
+    ) -> Iterator[ChatPiece]:
+        """The reply to `prompt` (or to a conversation's messages) as it streams: TextDelta and
+        SpeechChunk pieces (kwargs as in omni_common.chat.chat_request: audio (input clips),
+        images, speak, speaker, model, seed, ...)."""
         builder = ReplyBuilder(time.perf_counter())
         for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             piece = builder.add(event, time.perf_counter())
             if piece is not None:
                 yield piece
 
-    def speak(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Reply:
+    def speak(self, prompt: str | Messages, *, timeout: float | None = None, **kwargs: object) -> Reply:
         """The whole reply to `prompt`: text, audio and timings (kwargs as in `chat`)."""
         builder = ReplyBuilder(time.perf_counter())
         for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
@@ -374,7 +362,7 @@ class AsyncClient(_Connection):
             call.cancel()
 
     async def chat(
-        self, prompt: str, *, timeout: float | None = None, **kwargs: object
+        self, prompt: str | Messages, *, timeout: float | None = None, **kwargs: object
     ) -> AsyncIterator[ChatPiece]:
         builder = ReplyBuilder(time.perf_counter())
         async for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
@@ -382,7 +370,7 @@ class AsyncClient(_Connection):
             if piece is not None:
                 yield piece
 
-    async def speak(self, prompt: str, *, timeout: float | None = None, **kwargs: object) -> Reply:
+    async def speak(self, prompt: str | Messages, *, timeout: float | None = None, **kwargs: object) -> Reply:
         builder = ReplyBuilder(time.perf_counter())
         async for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             builder.add(event, time.perf_counter())

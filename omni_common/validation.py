@@ -22,11 +22,13 @@ from omni_common.limits import (  # noqa: F401  (re-exported: callers import the
     MAX_SIDE,
     MAX_STEPS,
 )
-from omni_common.models.base import GenerationRequest, ImageInput, ModelCard, OptionSpec
+from omni_common.models.base import ChatTurn, GenerationRequest, ImageInput, ModelCard, OptionSpec
 from omni_common.models.lora import NAME_PATTERN as LORA_NAME
 from omni_common.models.lora import check_scale
 from omnistage.v1 import stage_pb2
 
+MAX_MESSAGES = 256
+CHAT_ROLES = ("system", "user", "assistant")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 DEFAULT_SIDE = 1024
@@ -142,6 +144,9 @@ def to_request(
         if len(name) > MAX_OPTION_CHARS or len(value) > MAX_OPTION_CHARS:
             raise InvalidArgument(f"option names and values are at most {MAX_OPTION_CHARS} characters")
     loras = check_loras(params.loras)
+    messages = chat_turns(params.messages)
+    if messages and params.prompt:
+        raise InvalidArgument("give the prompt or messages, not both (the prompt is a one-turn conversation)")
     return GenerationRequest(
         prompt=params.prompt,
         negative_prompt=params.negative_prompt,
@@ -154,7 +159,52 @@ def to_request(
         images=images,
         options=tuple(sorted(params.options.items())),
         loras=loras,
+        messages=messages,
     )
+
+
+def chat_turns(messages: Sequence[stage_pb2.ChatMessage]) -> tuple[ChatTurn, ...]:
+    """The conversation, checked: known roles, at least one part a message, bounded text (which
+    media an index may name is the family's check: `check_media_parts`)."""
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"{len(messages)} messages given; the limit is {MAX_MESSAGES}")
+    turns = []
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"message {i} has role {message.role[:20]!r}; roles are {', '.join(CHAT_ROLES)}"
+            )
+        if not message.parts:
+            raise InvalidArgument(f"message {i} has no content")
+        parts: list[tuple[str, str | int]] = []
+        for part in message.parts:
+            kind = part.WhichOneof("part")
+            if kind is None:
+                raise InvalidArgument(f"message {i} has an empty part")
+            parts.append((kind, getattr(part, kind)))
+        text = sum(len(value) for kind, value in parts if isinstance(value, str))
+        if text > MAX_PROMPT_CHARS:
+            raise InvalidArgument(f"message {i} has {text} characters; the limit is {MAX_PROMPT_CHARS}")
+        turns.append(ChatTurn(message.role, tuple(parts)))
+    return tuple(turns)
+
+
+def check_media_parts(request: GenerationRequest) -> None:
+    """With messages, each input audio clip and image is shown by exactly one part."""
+    if not request.messages:
+        return
+    counts = {"audio": len(request.audios), "image": len(request.images)}
+    shown: dict[str, list[int]] = {"audio": [], "image": []}
+    for turn in request.messages:
+        for kind, value in turn.parts:
+            if kind in shown:
+                assert isinstance(value, int)
+                if value >= counts[kind]:
+                    raise InvalidArgument(f"a message shows {kind} {value}; the request has {counts[kind]}")
+                shown[kind].append(value)
+    for kind, indices in shown.items():
+        if sorted(indices) != list(range(counts[kind])):
+            raise InvalidArgument(f"the messages must show each input {kind} exactly once (shown: {indices})")
 
 
 def check_loras(loras: Sequence[stage_pb2.LoraRef]) -> tuple[tuple[str, float | None], ...]:

@@ -119,7 +119,13 @@ def _speak(args: argparse.Namespace) -> int:
 
     options = dict(_parse_option(item) for item in args.option)
     request = chat_request(
-        args.prompt, speaker=args.speaker, model=args.model, seed=args.seed, options=options
+        args.prompt,
+        audio=[Path(path) for path in args.audio],
+        images=[Path(path) for path in args.image],
+        speaker=args.speaker,
+        model=args.model,
+        seed=args.seed,
+        options=options,
     )
     with _client(args, args.timeout) as client:
         try:
@@ -446,6 +452,17 @@ def _add_request_parsers(sub: Any) -> None:
     )
     _add_client_args(speak)
     speak.add_argument("--speaker", default=None, help="the voice (default: the model's first, Chelsie)")
+    speak.add_argument(
+        "--audio",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an audio clip the model hears before the prompt (repeatable): WAV or FLAC "
+        "(16 kHz for Qwen2.5-Omni)",
+    )
+    speak.add_argument(
+        "--image", action="append", default=[], metavar="FILE", help="an image the model sees (repeatable)"
+    )
     _add_request_args(speak)
     speak.set_defaults(func=_speak)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -77,6 +77,34 @@ class SequenceParallelPlan:
     heads: str
 
 
+def input_audio_name(index: int) -> str:
+    """The tensor name of the request's `index`-th input audio clip (a WAV or FLAC file's bytes,
+    uint8; raw PCM arrives at the stages wrapped as WAV)."""
+    return f"{INPUT_PREFIX}audio.{index}"
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """What validation and planning know of an input audio clip once decoded."""
+
+    sample_rate: int
+    frames: int  # samples per channel
+    digest: str  # sha256 of the file bytes the stages get, hex: the content address of caches
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.sample_rate
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One message of a conversation: its role and its parts in order, each ("text", the text),
+    ("audio", index) or ("image", index) (indices among the request's inputs of that kind)."""
+
+    role: str
+    parts: tuple[tuple[str, str | int], ...]
+
+
 @dataclass(frozen=True)
 class ImageInput:
     """What validation and planning know of an input image without decoding its pixels."""
@@ -102,6 +130,10 @@ class GenerationRequest:
     max_sequence_length: int = 512
     # The request's input images, in order (their bytes travel as `input_image_name(i)` tensors).
     images: tuple[ImageInput, ...] = ()
+    # The request's input audio clips, in order (as `input_audio_name(i)` tensors).
+    audios: tuple[AudioInput, ...] = ()
+    # A conversation (chat families); empty: one user turn of the inputs, then `prompt`.
+    messages: tuple[ChatTurn, ...] = ()
     # Family options (GenerationParams.options), checked by the family's `validate`.
     options: tuple[tuple[str, str], ...] = ()
     # LoRA adapters of the DiT by name, in order, each with its scale (None: the scale the
@@ -279,6 +311,16 @@ class StepRunner(Protocol):
     def forget_cuda_graphs(self) -> None:
         """Drop captured CUDA graphs: they hold the weights' device addresses, which a sleep
         frees (later steps capture them again). Nothing to do without graphs."""
+        ...
+
+
+@runtime_checkable
+class SupportsPrefixCache(Protocol):
+    """A generator that keeps its prompts' prefix KV for later prompts (prefix_cache.py);
+    the stage's metrics read its counters."""
+
+    def prefix_stats(self) -> Any:
+        """A prefix_cache.PrefixStats."""
         ...
 
 

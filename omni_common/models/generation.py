@@ -45,6 +45,8 @@ class GenerationState(StepState):
     eos: frozenset[int]
     sequence: torch.Tensor  # [1, prompt + total_steps] int64: the prompt, then the picked tokens
     prompt_length: int
+    # Decode positions are the cached length plus this (mrope after images: negative).
+    position_offset: int = 0
     finite: bool = True
     last_token: int = -1  # the latest token, on the host (the end check needs no sync)
     chunks_sent: int = 0
@@ -187,9 +189,11 @@ class SlotGenerator:
         self.slots.fill(state.slot, [layer.keys for layer in layers], [layer.values for layer in layers])
 
     def positions(self, states: Sequence[GenerationState], rows: int) -> torch.Tensor:
-        """Decode positions [rows, batch, 1]: each request's next position (text-only prompts:
-        the mrope sections all count tokens)."""
-        lengths = torch.tensor([state.slot.length for state in states], device=self.device)
+        """Decode positions [rows, batch, 1]: each request's next position (mrope: the sections
+        all count tokens past the prompt, from its offset)."""
+        lengths = torch.tensor(
+            [state.slot.length + state.position_offset for state in states], device=self.device
+        )
         return lengths.view(1, -1, 1).expand(rows, -1, -1)
 
     def live(self, states: Sequence[StepState]) -> list[GenerationState]:

@@ -135,6 +135,13 @@ class KVSlots:
             self.values[layer][slot.index, :, :length] = values[layer][0]
         slot.length = length
 
+    def read(self, slot: Slot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Copies of what `slot` caches: per layer keys and values [1, kv_heads, length, head_dim]."""
+        length = slot.length
+        keys = tuple(layer[slot.index : slot.index + 1, :, :length].clone() for layer in self.keys)
+        values = tuple(layer[slot.index : slot.index + 1, :, :length].clone() for layer in self.values)
+        return keys, values
+
     def batch(self, slots: Sequence[Slot]) -> SlotBatch:
         """The cache of one decode forward over `slots` (in that row order)."""
         return SlotBatch(self, slots)

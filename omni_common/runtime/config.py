@@ -247,13 +247,14 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "--cache-bytes",
         type=int,
         default=int(env("CACHE_BYTES", str(256 * 1024 * 1024))),
-        help="ar-encoder: prompt-embedding cache size in bytes (0 = off)",
+        help="ar-encoder: size in bytes of the roles' caches (0 = off): Qwen-Image's prompt embeddings, "
+        "Qwen2.5-Omni's thinker's prompt-prefix KV (a conversation's earlier turns)",
     )
     parser.add_argument(
         "--cache-bypass",
         action="store_true",
         default=env("CACHE_BYPASS", "0") in ("1", "true", "yes"),
-        help="ar-encoder: neither read nor fill the prompt-embedding cache (for measurements)",
+        help="ar-encoder: neither read nor fill those caches (for measurements)",
     )
     parser.add_argument(
         "--vllm-memory-fraction",

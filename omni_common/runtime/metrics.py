@@ -109,6 +109,13 @@ class StageMetrics:
                 "graphs of common prompt lengths to capture)",
                 "idle_work_left",
             ),
+            (
+                "omnistage_prefix_cache_hits",
+                "Prompts whose prefix KV (an earlier turn of the conversation) was reused",
+                "prefix_hits",
+            ),
+            ("omnistage_prefix_cache_misses", "Prompts that found no prefix KV to reuse", "prefix_misses"),
+            ("omnistage_prefix_cache_bytes", "Bytes of prefix KV kept for later prompts", "prefix_bytes"),
         )
         for name, doc, attr in series:
             gauge = Gauge(name, doc, ["stage", "role"], registry=self.registry)

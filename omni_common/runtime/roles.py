@@ -17,7 +17,15 @@ from typing import Protocol
 import torch
 
 from omni_common.execution.batching import MicroBatcher
-from omni_common.models.base import AsyncRunner, BatchRunner, RoleCall, RoleSpec, StageState, StepRunner
+from omni_common.models.base import (
+    AsyncRunner,
+    BatchRunner,
+    RoleCall,
+    RoleSpec,
+    StageState,
+    StepRunner,
+    SupportsPrefixCache,
+)
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
 
@@ -108,7 +116,16 @@ class StepRole:
 
     @property
     def totals(self) -> StepTotals:
-        return self.scheduler.totals
+        totals = self.scheduler.totals
+        runner = self.scheduler.runner
+        if isinstance(runner, SupportsPrefixCache):  # read when metrics are scraped
+            stats = runner.prefix_stats()
+            totals.prefix_hits, totals.prefix_misses, totals.prefix_bytes = (
+                stats.hits,
+                stats.misses,
+                stats.bytes,
+            )
+        return totals
 
     def close(self) -> None:
         self.scheduler.close()

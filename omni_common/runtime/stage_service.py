@@ -19,6 +19,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2
 
+from omni_common.audio_input import input_audios
 from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, OmniError, Unavailable, abort
 from omni_common.imaging import input_images
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
@@ -194,9 +195,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return to_request(request.params, max_pixels=self.max_pixels)
 
     def _with_images(self, gen: GenerationRequest, tensors: dict[str, torch.Tensor]) -> GenerationRequest:
-        """`gen` with the input images this call carries, checked like the coordinator checks
+        """`gen` with the input images and audio clips this call carries, checked like the coordinator checks
         them (a stage may be called directly), then the family's validation."""
-        gen = replace(gen, images=input_images(tensors, max_pixels=self.max_pixels))
+        gen = replace(
+            gen, images=input_images(tensors, max_pixels=self.max_pixels), audios=input_audios(tensors)
+        )
         self.worker.validate(gen)
         return gen
 

@@ -119,6 +119,11 @@ class StepTotals:
     device_s: float = 0.0
     idle_s: float = 0.0
     idle_work_left: int = 0  # units of the runner's idle work still to do (idle_work_left)
+    # A generator's prompt-prefix cache (SupportsPrefixCache): lookups that reused a prefix,
+    # lookups that found none, and the bytes it holds.
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_bytes: int = 0
 
 
 def _preview_png(runner: StepRunner, state: StepState) -> bytes:

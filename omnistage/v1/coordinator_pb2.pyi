@@ -14,12 +14,23 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
     AUDIO_FORMAT_FLOAT32: _ClassVar[AudioFormat]
 
+class AudioInputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_INPUT_FORMAT_WAV: _ClassVar[AudioInputFormat]
+    AUDIO_INPUT_FORMAT_FLAC: _ClassVar[AudioInputFormat]
+    AUDIO_INPUT_FORMAT_PCM16: _ClassVar[AudioInputFormat]
+    AUDIO_INPUT_FORMAT_FLOAT32: _ClassVar[AudioInputFormat]
+
 class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     IMAGE_FORMAT_PNG: _ClassVar[ImageFormat]
     IMAGE_FORMAT_RGB8: _ClassVar[ImageFormat]
 AUDIO_FORMAT_PCM16: AudioFormat
 AUDIO_FORMAT_FLOAT32: AudioFormat
+AUDIO_INPUT_FORMAT_WAV: AudioInputFormat
+AUDIO_INPUT_FORMAT_FLAC: AudioInputFormat
+AUDIO_INPUT_FORMAT_PCM16: AudioInputFormat
+AUDIO_INPUT_FORMAT_FLOAT32: AudioInputFormat
 IMAGE_FORMAT_PNG: ImageFormat
 IMAGE_FORMAT_RGB8: ImageFormat
 
@@ -44,10 +55,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputMedia, _Mapping]]] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ...) -> None: ...
 
 class InputMedia(_message.Message):
-    __slots__ = ("image",)
+    __slots__ = ("image", "audio")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     image: bytes
-    def __init__(self, image: _Optional[bytes] = ...) -> None: ...
+    audio: InputAudio
+    def __init__(self, image: _Optional[bytes] = ..., audio: _Optional[_Union[InputAudio, _Mapping]] = ...) -> None: ...
+
+class InputAudio(_message.Message):
+    __slots__ = ("data", "format", "sample_rate")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    format: AudioInputFormat
+    sample_rate: int
+    def __init__(self, data: _Optional[bytes] = ..., format: _Optional[_Union[AudioInputFormat, str]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id",)

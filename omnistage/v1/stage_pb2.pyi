@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerationParams(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length", "options", "loras")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "num_inference_steps", "true_cfg_scale", "seed", "max_sequence_length", "options", "loras", "messages")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GenerationParams(_message.Message):
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -38,7 +39,26 @@ class GenerationParams(_message.Message):
     max_sequence_length: int
     options: _containers.ScalarMap[str, str]
     loras: _containers.RepeatedCompositeFieldContainer[LoraRef]
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ..., loras: _Optional[_Iterable[_Union[LoraRef, _Mapping]]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., true_cfg_scale: _Optional[float] = ..., seed: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., options: _Optional[_Mapping[str, str]] = ..., loras: _Optional[_Iterable[_Union[LoraRef, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "parts")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    parts: _containers.RepeatedCompositeFieldContainer[ChatPart]
+    def __init__(self, role: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ChatPart, _Mapping]]] = ...) -> None: ...
+
+class ChatPart(_message.Message):
+    __slots__ = ("text", "audio", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    audio: int
+    image: int
+    def __init__(self, text: _Optional[str] = ..., audio: _Optional[int] = ..., image: _Optional[int] = ...) -> None: ...
 
 class LoraRef(_message.Message):
     __slots__ = ("name", "scale")

@@ -448,13 +448,17 @@ class RequestFlow:
         stream = req.stream(step.name)
         stream.producer = replica.address
         req.leases.add(replica.address, partial)
-        if not stream.push(partial):
+        if not stream.fresh(partial):
             req.leases.drop(replica.address, partial)  # a repeat after a restart
             return
+        is_audio = "audio" in (ref.name for ref in partial.tensors)
+        if not is_audio and self.transport.lease_ids(partial):
+            partial = await self._hold(req, replica.address, partial)
+        stream.push(partial)
         if partial.meta.get("text"):
             req.text.append(partial.meta["text"])
             await req.emit(cpb.GenerateEvent(text=cpb.TextDelta(step=step.name, text=partial.meta["text"])))
-        if "audio" not in (ref.name for ref in partial.tensors):
+        if not is_audio:
             return
         try:  # audio: the client's alone, so its leases end once it is read
             tensors, meta = await self.transport.import_state(partial)
@@ -462,6 +466,19 @@ class RequestFlow:
         finally:
             req.leases.drop(replica.address, partial)
         await self._send_audio(req, samples, meta)
+
+    async def _hold(
+        self, req: FlowRequest, holder: str, chunk: tensor_pb2.StageState
+    ) -> tensor_pb2.StageState:
+        """`chunk` (handles into `holder`'s memory) copied into this process's store, so that a
+        consumer restarted after `holder` died can read it; `holder`'s leases end here."""
+        try:
+            tensors, meta = await self.transport.import_state(chunk)
+        finally:
+            req.leases.drop(holder, chunk)
+        kept = self.transport.export_state(tensors, meta)
+        req.leases.add(self.transport.address, kept)
+        return kept
 
     async def _send_audio(self, req: FlowRequest, samples: torch.Tensor, meta: dict[str, str]) -> None:
         """The next AudioChunk of the reply: `samples` (flat float32) in the client's format."""

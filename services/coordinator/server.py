@@ -13,10 +13,11 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
+from omni_common.audio_input import canonical_audio, inspect_audio
 from omni_common.errors import (
     AlreadyExists,
     Cancelled,
@@ -27,7 +28,7 @@ from omni_common.errors import (
     abort,
 )
 from omni_common.imaging import inspect_image
-from omni_common.models.base import Plan, input_image_name
+from omni_common.models.base import INPUT_PREFIX, Plan, input_audio_name, input_image_name
 from omni_common.models.registry import find_family
 from omni_common.net.auth import Caller, api_keys, caller, cluster_tokens
 from omni_common.runtime.config import CoordinatorConfig
@@ -35,6 +36,7 @@ from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import advertised_address, run, serve
 from omni_common.transport import TensorTransport, add_tensor_store
 from omni_common.validation import (
+    check_media_parts,
     check_options,
     check_request_id,
     check_takes_loras,
@@ -135,26 +137,40 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         params.model = model
         media = self._media(request)
+        image_files = [data for name, data in media.items() if name.startswith(INPUT_PREFIX + "image.")]
         images = tuple(
-            inspect_image(data, index=i, max_pixels=self.max_pixels) for i, data in enumerate(media.values())
+            inspect_image(data, index=i, max_pixels=self.max_pixels) for i, data in enumerate(image_files)
         )
+        audio_files = [data for name, data in media.items() if name.startswith(INPUT_PREFIX + "audio.")]
+        audios = tuple(inspect_audio(data, index=i) for i, data in enumerate(audio_files))
+        if audios and "audio" not in family.card.inputs:
+            raise InvalidArgument(f"model {model!r} takes no audio input; got {len(audios)} clips")
         if len(images) > family.card.max_images:
             allowed = f"at most {family.card.max_images}" if family.card.max_images else "no"
             raise InvalidArgument(f"model {model!r} takes {allowed} input images; got {len(images)}")
-        gen = to_request(params, max_pixels=self.max_pixels, images=images)
+        gen = replace(to_request(params, max_pixels=self.max_pixels, images=images), audios=audios)
         check_options(dict(gen.options), family.card.options, family.name)
+        check_media_parts(gen)
         check_takes_loras(gen, family.card, family.name)
         family.validate(gen)
         return Accepted(request_id, params, family.plan(gen), media)
 
     @staticmethod
     def _media(request: cpb.GenerateRequest) -> dict[str, bytes]:
-        """The request's input images by the tensor name plan steps consume them under."""
+        """The request's input images and audio clips (raw PCM wrapped as WAV) by the tensor
+        name plan steps consume them under."""
         media: dict[str, bytes] = {}
+        images = audios = 0
         for i, item in enumerate(request.inputs):
-            if item.WhichOneof("media") != "image":
-                raise InvalidArgument(f"input {i} carries no image (the only input media yet)")
-            media[input_image_name(len(media))] = item.image
+            kind = item.WhichOneof("media")
+            if kind == "image":
+                media[input_image_name(images)] = item.image
+                images += 1
+            elif kind == "audio":
+                media[input_audio_name(audios)] = canonical_audio(item.audio, index=audios)
+                audios += 1
+            else:
+                raise InvalidArgument(f"input {i} carries no image or audio")
         total = sum(len(data) for data in media.values())
         if total > MAX_MEDIA_BYTES:
             raise InvalidArgument(f"input media are {total} bytes in all; the limit is {MAX_MEDIA_BYTES}")

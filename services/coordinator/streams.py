@@ -5,7 +5,9 @@ The coordinator keeps every chunk of a stream until the request ends (chunks are
 token's hidden state, a few codes, a window of mel frames), so that a consumer that restarts
 on another replica is fed the stream again from its start, and a producer that restarts
 (seeded, so it makes the same chunks) is not heard twice: a chunk index already held is
-dropped.
+dropped. A chunk above the inline threshold (a real-size prompt's rows) is copied into the
+coordinator's own store as it arrives (as checkpoints are): a consumer restarted after its
+producer died can still read it.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ class Stream:
         self.producer = ""  # the address of the replica that sent the latest chunk
         self._changed = asyncio.Event()
 
+    def fresh(self, chunk: tensor_pb2.StageState) -> bool:
+        """Whether `chunk` is the next one (not a repeat of one held, the stream not ended)."""
+        index = int(chunk.meta.get("chunk", str(len(self.chunks))))
+        return index == len(self.chunks) and not self.ended
+
     def push(self, chunk: tensor_pb2.StageState) -> bool:
         """Add the next chunk; False (and nothing added) for one already held."""
-        index = int(chunk.meta.get("chunk", str(len(self.chunks))))
-        if index != len(self.chunks) or self.ended:
+        if not self.fresh(chunk):
             return False
         self.chunks.append(chunk)
         self._notify()

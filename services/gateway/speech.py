@@ -9,8 +9,9 @@ default here, or "pcm": 16-bit mono little-endian at 24 kHz; mp3, flac, opus and
 encoder this server does not carry: 400), `speed` (1.0 only), `stream_format` ("audio": the
 body streams as it is spoken; "sse": `speech.audio.delta` events, then `speech.audio.done`).
 
-`POST /v1/chat/completions`: `messages` (one user turn: the thinker's prompt is one user
-message), `modalities` (["text"] or ["text", "audio"]), `audio` ({voice, format}: "wav" or
+`POST /v1/chat/completions`: `messages` (a conversation of system, user and assistant turns,
+the last the user's; user turns may hold `input_audio` and `image_url` data-URL parts:
+chat_messages.py), `modalities` (["text"] or ["text", "audio"]), `audio` ({voice, format}: "wav" or
 "pcm16"; streamed replies are pcm16, as OpenAI's), `stream`, `max_completion_tokens` (or
 `max_tokens`), `seed`; sampling fields (temperature, top_p, ...) are accepted and unused.
 
@@ -32,6 +33,7 @@ import grpc
 from omni_common.chat import chat_request
 from omni_common.errors import OmniError
 from omnistage.v1 import coordinator_pb2 as cpb
+from services.gateway.chat_messages import conversation
 from services.gateway.protocol import (
     MAX_SEED,
     BadField,
@@ -60,6 +62,11 @@ CHAT_FIELDS = (
     ("unknown speaker", "audio.voice"),
     ("option speaker", "audio.voice"),
     ("prompt", "messages"),
+    ("input audio", "messages"),
+    ("input image", "messages"),
+    ("a message shows", "messages"),
+    ("the messages", "messages"),
+    ("the conversation", "messages"),
     ("option max_new_tokens", "max_completion_tokens"),
     ("option", "options"),
 )
@@ -144,31 +151,9 @@ def speech_job(doc: dict[str, Any]) -> SpeechJob:
     return SpeechJob(request, response_format, stream_format == "sse")
 
 
-def _prompt(doc: dict[str, Any]) -> str:
-    """The one user turn of `messages` (its text; content parts of type "text" are joined)."""
-    messages = typed(doc, "messages", list, "an array of messages")
-    if not messages:
-        raise BadField("messages", "messages is required: one user message")
-    if len(messages) != 1 or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
-        one = "messages must be one user message (this model is served one turn at a time)"
-        raise BadField("messages", one)
-    content = messages[0].get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            text = part.get("text") if isinstance(part, dict) else None
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
-                raise BadField("messages", "content parts must be of type text (no media input here)")
-            parts.append(text)
-        content = "".join(parts)
-    if not isinstance(content, str) or not content.strip():
-        raise BadField("messages", "the user message's content must be non-empty text")
-    return text_field("messages", content)
-
-
 def chat_job(doc: dict[str, Any]) -> ChatJob:
     """Validate a POST /v1/chat/completions body (see the module's docstring)."""
-    prompt = _prompt(doc)
+    talk = conversation(doc)
     model = typed(doc, "model", str, "a string") or ""
     modalities = typed(doc, "modalities", list, "an array") or ["text"]
     known = all(isinstance(m, str) for m in modalities) and not set(modalities) - {"text", "audio"}
@@ -195,7 +180,15 @@ def chat_job(doc: dict[str, Any]) -> ChatJob:
         options["max_new_tokens"] = str(caps[0] or caps[1])
     seed = integer(doc, "seed", 0, MAX_SEED) or 0
     request = chat_request(
-        prompt, audio=speaks, speaker=voice, model=model, seed=seed, audio_format="pcm16", options=options
+        talk.messages or talk.prompt,
+        audio=talk.audios,
+        images=talk.images,
+        speak=speaks,
+        speaker=voice,
+        model=model,
+        seed=seed,
+        audio_format="pcm16",
+        options=options,
     )
     return ChatJob(request, model, speaks, audio_format, stream)
 

@@ -6,6 +6,7 @@ coordinator feeds the new replica the stream from its start and drops repeated c
 
 from __future__ import annotations
 
+import io
 import signal
 import threading
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from omni_common.audio_input import wav_bytes
 from omni_common.chat import ReplyBuilder, chat_request
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan
@@ -48,6 +51,46 @@ def test_a_reply_equals_generate_bitwise(omni_cluster: str, omni_model: Path, sa
             PROMPT,
             seed=11,
             thinker_do_sample=sampled,
+            thinker_max_new_tokens=16,
+            talker_max_new_tokens=60,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert reply.text == ref.text
+    np.testing.assert_array_equal(reply.audio, ref.waveform.numpy())
+
+
+def clip_and_picture() -> tuple[bytes, bytes]:
+    """One second of a 16 kHz noisy tone (16-bit WAV) and a 84x56 random PNG."""
+    rng = np.random.default_rng(0)
+    t = np.arange(16_000) / 16_000
+    tone = np.clip(0.5 * np.sin(2 * np.pi * 440 * t) + rng.normal(0, 0.1, t.shape), -1, 1)
+    pixels = rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return wav_bytes(np.round(tone * 32767).astype(np.int16), 16_000), buffer.getvalue()
+
+
+@pytest.mark.parametrize("media", ["audio", "image"])
+def test_a_reply_to_text_and_media_equals_the_processor_and_generate_bitwise(
+    omni_cluster: str, omni_model: Path, media: str
+) -> None:
+    clip, picture = clip_and_picture()
+    audios, images = ([clip], []) if media == "audio" else ([], [picture])
+    options = {"max_new_tokens": 16, "talker_max_new_tokens": 60}
+    with Client(omni_cluster) as client:
+        reply = client.speak(
+            PROMPT, audio=audios, images=images, seed=11, stream_audio=False, options=options
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = reference_generate(
+            omni_model,
+            PROMPT,
+            audios=audios,
+            images=images,
+            seed=11,
             thinker_max_new_tokens=16,
             talker_max_new_tokens=60,
         )

@@ -30,9 +30,19 @@ from omni_common.models.base import (
     SequenceParallelPlan,
     StageContext,
     StageModel,
+    input_audio_name,
+    input_image_name,
 )
 from omni_common.models.qwen_omni.options import OPTIONS, option_int
 from omni_common.validation import check_options
+
+# What the thinker hears: Whisper's feature extractor at 16 kHz (nothing is resampled), at most
+# its window (the real processor's chunk_length, 300 s; a checkpoint's own may be shorter, which
+# the thinker checks), a few clips and images a request.
+INPUT_SAMPLE_RATE = 16_000
+MAX_AUDIO_SECONDS = 300
+MAX_AUDIOS = 8
+MAX_IMAGES = 8
 
 ROLES = (
     RoleSpec(
@@ -55,7 +65,8 @@ class QwenOmniFamily:
 
     name = "qwen2.5-omni"
     card = ModelCard(
-        inputs=("text",),
+        inputs=("text", "audio", "image"),
+        max_images=MAX_IMAGES,
         outputs=("text", "audio"),
         options=OPTIONS,
         # The token2wav DiT's solver steps and guidance (Qwen2_5OmniToken2WavModel's defaults).
@@ -69,19 +80,43 @@ class QwenOmniFamily:
         check_options(dict(request.options), self.card.options, self.name)
         if request.negative_prompt:
             raise InvalidArgument(f"{self.name} takes no negative prompt")
-        if request.images:
-            raise InvalidArgument(
-                f"{self.name} is served with text input only here (audio, image and video input to "
-                "the thinker are not wired yet)"
-            )
+        self._check_audios(request)
+        if request.messages and request.messages[-1].role == "assistant":
+            raise InvalidArgument("the conversation must not end with an assistant message: the reply is")
         if request.num_inference_steps < 2:
             raise InvalidArgument("num_inference_steps (token2wav's solver steps) must be at least 2")
+
+    def _check_audios(self, request: GenerationRequest) -> None:
+        if len(request.audios) > MAX_AUDIOS:
+            raise InvalidArgument(
+                f"{self.name} takes at most {MAX_AUDIOS} audio clips; got {len(request.audios)}"
+            )
+        for i, clip in enumerate(request.audios):
+            if clip.sample_rate != INPUT_SAMPLE_RATE:
+                raise InvalidArgument(
+                    f"input audio {i} is {clip.sample_rate} Hz; {self.name} hears {INPUT_SAMPLE_RATE} Hz "
+                    "mono (resample it first)"
+                )
+            if clip.seconds > MAX_AUDIO_SECONDS:
+                raise InvalidArgument(
+                    f"input audio {i} lasts {clip.seconds:.1f} s; "
+                    f"{self.name} takes at most {MAX_AUDIO_SECONDS} s"
+                )
 
     def plan(self, request: GenerationRequest) -> Plan:
         """thinker, then (speaking) talker -> token2wav -> vocoder, each fed the previous one's
         stream as it comes."""
+        media = (
+            *(input_audio_name(i) for i in range(len(request.audios))),
+            *(input_image_name(i) for i in range(len(request.images))),
+        )
         thinker = PlanStep(
-            "thinker", "ar-encoder", "thinker", produces=("thinker_states",), progress="tokens"
+            "thinker",
+            "ar-encoder",
+            "thinker",
+            consumes=media,
+            produces=("thinker_states",),
+            progress="tokens",
         )
         if not option_int(request, "audio"):
             return Plan((thinker,))

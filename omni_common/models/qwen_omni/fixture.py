@@ -37,6 +37,7 @@ two builds give byte-identical files.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
+    AutoTokenizer,
     Qwen2_5OmniConfig,
     Qwen2_5OmniForConditionalGeneration,
     Qwen2_5OmniTalkerForConditionalGeneration,
@@ -54,6 +56,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from omni_common.models.model_defaults import ModelDefaults, write_model_defaults
+from omni_common.models.qwen_omni.processor import MEDIA_TOKENS, preprocessor_config
 
 HIDDEN = 32
 HEAD_DIM = 8
@@ -82,11 +85,21 @@ SPECIAL_TOKENS = [
     "<|tts_eos|>",
     *(f"<|spk_{name.lower()}|>" for name in SPEAKERS),
 ]
+# Qwen2.5-Omni's template without its default system prompt: a string content as it is, a list
+# of parts with each audio clip and image as its placeholder between its markers.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif part['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The fixture's feature extractor hears at most this many seconds (the real one 300): its
+# features are padded to the window, and 30 s keeps a request's features cheap on a CPU.
+FIXTURE_AUDIO_SECONDS = 30
 CORPUS = (
     ("system", "You are a helpful assistant that can hear and speak."),
     ("user", "Hello, who are you?"),
@@ -261,6 +274,10 @@ def build_tiny_fixture(out_dir: Path, *, seed: int = 0) -> Path:
         if was_shown:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out_dir)
+    # The processor's parts: the tokenizer's media tokens named, and preprocessor_config.json.
+    AutoTokenizer.from_pretrained(out_dir, extra_special_tokens=MEDIA_TOKENS).save_pretrained(out_dir)
+    config = preprocessor_config(chunk_length=FIXTURE_AUDIO_SECONDS)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     torch.save(build_speakers(tokenizer, seed), out_dir / "spk_dict.pt")
     write_model_defaults(out_dir, FIXTURE_DEFAULTS)
     return out_dir

@@ -15,15 +15,15 @@ RNG after `torch.manual_seed(seed)`). The talker wrapper also records the codes 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+from transformers import Qwen2_5OmniForConditionalGeneration
 
-from omni_common.models.qwen_omni.checkpoint import chat_input_ids
+from omni_common.models.qwen_omni.processor import load_processor, reference_inputs
 
 # What `generate` stops the talker at (its talker_eos_token_id default): codec pad and end.
 TALKER_EOS_IDS = (8292, 8294)
@@ -67,11 +67,24 @@ def load_model(
     return Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
 
 
+def one_turn(prompt: str, audios: int = 0, images: int = 0) -> list[dict[str, Any]]:
+    """A user turn of `audios` clips, `images` images, then `prompt` (a plain string without
+    media), as chat-template messages whose media parts name their input by index."""
+    if not audios and not images:
+        return [{"role": "user", "content": prompt}]
+    parts: list[dict[str, Any]] = [{"type": "audio", "audio": i} for i in range(audios)]
+    parts += [{"type": "image", "image": i} for i in range(images)]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
+
+
 @torch.no_grad()
 def reference_generate(
     model_dir: Path | str,
-    prompt: str,
+    prompt: str = "",
     *,
+    messages: list[dict[str, Any]] | None = None,
+    audios: Sequence[bytes] = (),
+    images: Sequence[bytes] = (),
     speaker: str = "Chelsie",
     seed: int = 0,
     thinker_do_sample: bool = False,
@@ -80,12 +93,17 @@ def reference_generate(
     talker_max_new_tokens: int = 4096,
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
-    """Text and speech for `prompt` (one user turn) from transformers' one-shot `generate`, each
-    sub-model seeded with `seed`. The token caps default to `generate`'s own; a random checkpoint
-    (the test fixture) needs `talker_max_new_tokens` set, its talker rarely emitting an eos."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    """Text and speech for `prompt` (one user turn after its `audios` (WAV files) and `images`
+    (image files)) or for the conversation `messages`, from transformers' processor and one-shot
+    `generate`, each sub-model seeded with `seed`. The token caps default to `generate`'s own; a
+    random checkpoint (the test fixture) needs `talker_max_new_tokens` set, its talker rarely
+    emitting an eos."""
+    processor = load_processor(Path(model_dir))
+    tokenizer: Any = processor.tokenizer
     model: Any = load_model(model_dir, dtype)  # Any: its methods are replaced below
-    input_ids = chat_input_ids(tokenizer, prompt).to(model.device)
+    turns = messages if messages is not None else one_turn(prompt, len(audios), len(images))
+    inputs = reference_inputs(processor, turns, audios, images).to(model.device)
+    input_ids = inputs["input_ids"]
 
     talker_codes: list[torch.Tensor] = []
     talker_generate = model.talker.generate
@@ -100,9 +118,13 @@ def reference_generate(
     model.talker.generate = _reseeded(recording_talker_generate, seed)
     model.token2wav.forward = _reseeded(model.token2wav.forward, seed)
 
+    # Image pixels go to the thinker only: unprefixed, generate passes them to the talker too,
+    # whose generate refuses them (transformers 5.24); the grid stays shared (both use it).
+    model_inputs = dict(inputs)
+    if "pixel_values" in model_inputs:
+        model_inputs["thinker_pixel_values"] = model_inputs.pop("pixel_values")
     sequences, waveform = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),  # as the processor's outputs carry it
+        **model_inputs,
         generation_mode="audio",
         speaker=speaker,
         thinker_do_sample=thinker_do_sample,

@@ -30,7 +30,13 @@ class QwenOmniStage:
             if context.wants("thinker"):
                 from omni_common.models.qwen_omni.thinker import Thinker
 
-                thinker = Thinker.load(model_dir, context.device, context.dtype, max_slots=context.max_queue)
+                thinker = Thinker.load(
+                    model_dir,
+                    context.device,
+                    context.dtype,
+                    max_slots=context.max_queue,
+                    prefix_bytes=0 if context.cache_bypass else context.cache_bytes,
+                )
                 self.thinker, self._runners["thinker"] = thinker.model, thinker
             if context.wants("talker"):
                 from omni_common.models.qwen_omni.talker import Talker

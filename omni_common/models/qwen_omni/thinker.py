@@ -29,15 +29,16 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import GenerationState, SlotGenerator, decode_mode
 from omni_common.models.graphed_decode import Launched
-from omni_common.models.qwen_omni.checkpoint import (
-    chat_input_ids,
-    load_config,
-    load_part,
-    load_speakers,
-    load_tokenizer,
-    speaker,
+from omni_common.models.prefix_cache import (
+    DEFAULT_MAX_BYTES,
+    PrefixCache,
+    PrefixEntry,
+    PrefixStats,
+    prefix_key,
 )
+from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.options import option_int, speaker_of
+from omni_common.models.qwen_omni.processor import NoVideoProcessor, ThinkerPrompt, load_processor
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64
@@ -53,6 +54,8 @@ class ThinkerState(GenerationState):
     rows: list[torch.Tensor] = field(default_factory=list)  # talker rows not sent yet, [n, H] each
     first: dict[str, torch.Tensor] = field(default_factory=dict)  # what chunk 0 adds
     text_sent: str = ""
+    prompt: ThinkerPrompt
+    history: list[torch.Tensor] = field(default_factory=list)  # the reply's talker rows sent so far
 
 
 class Thinker(SlotGenerator):
@@ -61,7 +64,7 @@ class Thinker(SlotGenerator):
     def __init__(
         self,
         model: Qwen2_5OmniThinkerForConditionalGeneration,
-        tokenizer: Any,
+        processor: NoVideoProcessor,
         speakers: dict[str, dict[str, Any]],
         talker_text_ids: tuple[int, int],
         device: torch.device,
@@ -70,6 +73,7 @@ class Thinker(SlotGenerator):
         *,
         max_tokens: int = MAX_TOKENS,
         decode: str = "auto",
+        prefix_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         # The text decoder: `model.model` up to transformers 5.20, `model.model.language_model` after.
         super().__init__(
@@ -84,7 +88,13 @@ class Thinker(SlotGenerator):
             keep_rows=True,
         )
         self.model = model
-        self.tokenizer = tokenizer
+        self.processor = processor
+        self.tokenizer: Any = processor.tokenizer
+        self.prefixes = PrefixCache(prefix_bytes)
+        config: Any = model.config
+        self.media_token_ids = torch.tensor(
+            [config.audio_token_index, config.image_token_index, config.video_token_index], device=device
+        )
         self.speakers = speakers
         self.talker_text_ids = talker_text_ids  # (text eos, text pad) of the talker's config
 
@@ -98,7 +108,9 @@ class Thinker(SlotGenerator):
         *,
         max_tokens: int | None = None,
         decode: str = "auto",
+        prefix_bytes: int = DEFAULT_MAX_BYTES,
     ) -> Thinker:
+        """The checkpoint's thinker; `prefix_bytes` bounds its prefix KV cache (0: off)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen2_5OmniThinkerForConditionalGeneration,
@@ -114,7 +126,7 @@ class Thinker(SlotGenerator):
             max_tokens = GRAPHED_MAX_TOKENS if decode_mode(decode, device) == "graphs" else MAX_TOKENS
         return cls(
             model,
-            load_tokenizer(model_dir),
+            load_processor(model_dir),
             load_speakers(model_dir),
             ids,
             device,
@@ -122,15 +134,26 @@ class Thinker(SlotGenerator):
             max_slots,
             max_tokens=max_tokens,
             decode=decode,
+            prefix_bytes=prefix_bytes,
         )
+
+    def weights_changed(self) -> None:
+        """New weights (LoadWeights): the kept prefixes' KV was computed with the old ones."""
+        self.prefixes.clear()
+
+    def prefix_stats(self) -> PrefixStats:
+        """The prefix cache's counters (SupportsPrefixCache: the stage's metrics)."""
+        return self.prefixes.stats
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> ThinkerState:
-        """The prompt's prefill, which picks the first token."""
+        """The prompt's prefill, which picks the first token; a prefix of the prompt whose KV this
+        replica kept (an earlier turn of the conversation) is not computed again."""
         bos = int(speaker(self.speakers, speaker_of(request))["bos_token"])
-        input_ids = chat_input_ids(self.tokenizer, request.prompt).to(self.device)
+        prompt = ThinkerPrompt.of(self.processor, self.model, request, inputs.tensors, self.device)
         total = option_int(request, "max_new_tokens")
-        length = input_ids.shape[1]
+        length = prompt.length
+        speak = bool(option_int(request, "audio"))
         slot = self.slots.acquire(length + total)
         try:
             state = ThinkerState(
@@ -140,38 +163,82 @@ class Thinker(SlotGenerator):
                 slot=slot,
                 sampling=Sampling.build(
                     self.model,
-                    input_ids,
+                    prompt.input_ids,
                     total,
                     request.seed,
                     do_sample=bool(option_int(request, "thinker_do_sample")),
                 ),
                 eos=frozenset(_eos_ids(self.model)),
-                sequence=torch.cat([input_ids, input_ids.new_zeros(1, total)], dim=1),
+                sequence=torch.cat([prompt.input_ids, prompt.input_ids.new_zeros(1, total)], dim=1),
                 prompt_length=length,
-                speak=bool(option_int(request, "audio")),
+                position_offset=prompt.rope_delta,
+                speak=speak,
+                prompt=prompt,
             )
             self.check_graphable(state.sampling)
-            cache = DynamicCache(config=self.model.config.get_text_config())
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
+            prefix = self.prefixes.lookup(length, prompt.key, rows=speak)
+            output, cache, rows = self._prefill(prompt, prefix)
             self.fill_slot(state, cache)
-            if state.speak:
-                hidden = output.hidden_states
+            self._keep(prompt.key(length), length, cache, rows)
+            if speak:
                 embed = self.model.get_input_embeddings()
                 specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
-                state.first = {"prompt": hidden[-1][0] + hidden[0][0], "specials": embed(specials)}
+                state.first = {"prompt": rows, "specials": embed(specials)}
             self.pick([state], output.logits)
-            self.join(state, None)
+            self.join(state, self._decode_positions(state))
         except BaseException:
             self.slots.release(slot)
             raise
         return state
+
+    def _decode_positions(self, state: ThinkerState) -> torch.Tensor | None:
+        """The graphed decode's rope positions for `state`'s picked tokens: past the prompt,
+        from its offset (media shift them); None for a text prompt (the graph's own count)."""
+        if self.graphed is None or not state.position_offset:
+            return None
+        start = state.slot.length + state.position_offset
+        count = self.graphed.rope.shape[2]
+        return torch.arange(start, start + count, device=self.device).expand(4, -1)
+
+    def _prefill(
+        self, prompt: ThinkerPrompt, prefix: PrefixEntry | None
+    ) -> tuple[Any, DynamicCache, torch.Tensor]:
+        """The forward over the prompt's tokens after `prefix` (all of them without one): its
+        output, the whole prompt's cache and its talker rows [L, H] (last hidden + embedding)."""
+        cache = DynamicCache(config=self.model.config.get_text_config())
+        start = 0
+        if prefix is not None:
+            for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
+                cache.update(keys.clone(), values.clone(), layer)
+            start = prefix.length
+        output = self.model(
+            input_ids=prompt.input_ids[:, start:],
+            attention_mask=torch.ones_like(prompt.input_ids),
+            position_ids=prompt.positions[..., start:],
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            **prompt.media_after(start),
+        )
+        hidden = output.hidden_states
+        # `generate` zeroes the embedding half of the talker's row at audio and image
+        # placeholders (the talker hears the thinker's last layer there, not the features).
+        placeholders = torch.isin(prompt.input_ids[0, start:], self.media_token_ids)
+        rows = hidden[-1][0] + hidden[0][0].masked_fill(placeholders.unsqueeze(-1), 0)
+        if prefix is not None and prefix.rows is not None:
+            rows = torch.cat([prefix.rows, rows])
+        return output, cache, rows
+
+    def _keep(self, key: str, length: int, cache: Any, rows: torch.Tensor | None) -> None:
+        """Keep the cache of the first `length` tokens (copies) for later prompts that start so."""
+        if self.prefixes.max_bytes <= 0:
+            return
+        layers: list[Any] = list(cache.layers)
+        keys = tuple(layer.keys[:, :, :length].clone() for layer in layers)
+        values = tuple(layer.values[:, :, :length].clone() for layer in layers)
+        kept = None if rows is None else rows[:length].clone()
+        self.prefixes.put(key, PrefixEntry(length, keys, values, kept))
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
@@ -230,6 +297,7 @@ class Thinker(SlotGenerator):
         if state.speak and state.rows:
             tensors = {**state.first, "reply": torch.cat(state.rows)} if state.chunks_sent == 0 else {}
             tensors.setdefault("reply", torch.cat(state.rows))
+            state.history.extend(state.rows)
             state.rows.clear()
         elif state.speak and state.chunks_sent == 0 and not self.is_done(state):
             return None  # the talker's first step needs the first row
@@ -244,11 +312,27 @@ class Thinker(SlotGenerator):
         """{"text_ids": [n]} (the reply's tokens, eos kept); meta "tokens"."""
         assert isinstance(state, ThinkerState)
         try:
+            self._keep_reply(state)
             return StageState(
                 tensors={"text_ids": state.generated.clone()}, meta={"tokens": str(state.step_index)}
             )
         finally:
             self.release(state)
+
+    def _keep_reply(self, state: ThinkerState) -> None:
+        """Keep the prompt and the reply tokens fed so far (all but the last picked) for the
+        conversation's next turn, which re-sends them; only while nothing failed."""
+        fed = state.slot.length
+        if self.prefixes.max_bytes <= 0 or not state.finite or fed <= state.prompt_length:
+            return
+        rows = None
+        if state.speak:
+            rows = torch.cat([state.first["prompt"], *state.history, *state.rows])
+            if rows.shape[0] != fed:
+                return  # rows not all made yet: the prompt's entry still serves
+        keys, values = self.slots.read(state.slot)
+        key = prefix_key(state.sequence[0, :fed], (*state.prompt.audio_digests, *state.prompt.image_digests))
+        self.prefixes.put(key, PrefixEntry(fed, keys, values, rows))
 
 
 def _eos_ids(model: Any) -> list[int]:

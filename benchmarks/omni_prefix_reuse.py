@@ -1,0 +1,99 @@
+"""A conversation's next turn with and without its prefix KV reused (Qwen2.5-Omni's thinker):
+the time to the first text token of turn 2 after a history of `--history` tokens, measured in
+the thinker runner itself (`Thinker.prepare`: processor, prefill, first pick), on one device.
+
+    python benchmarks/omni_prefix_reuse.py [--model DIR] [--history 2000] [--device cuda] [--rounds 5]
+
+"reused": turn 1 ran first on this runner, so turn 2 finds its prompt's KV in the prefix cache
+and prefills only the new turn; "recomputed": the same turn 2 with the cache emptied first (what
+a replica without the prefix pays). One JSON line per result, then the ratio. Without --model,
+the tiny random fixture (its numbers say little about real size: its prefill is overhead-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from omni_common.models.base import ChatTurn, GenerationRequest, StageState
+from omni_common.models.qwen_omni.fixture import build_tiny_fixture
+from omni_common.models.qwen_omni.thinker import Thinker
+
+SENTENCE = "Once upon a time, the cat sat on a mat and the dog sang a song. "
+
+
+def history_turns(tokens: int, tokenizer: object) -> tuple[ChatTurn, ...]:
+    """A system prompt and user/assistant turns of about `tokens` tokens in all."""
+    turns = [ChatTurn("system", (("text", "You are a helpful assistant."),))]
+    per = len(tokenizer(SENTENCE)["input_ids"])  # type: ignore[operator]
+    sentences = max(1, tokens // per)
+    for i in range(0, sentences, 8):
+        text = SENTENCE * min(8, sentences - i)
+        turns.append(ChatTurn("user" if len(turns) % 2 else "assistant", (("text", text),)))
+    if turns[-1].role == "user":
+        turns.append(ChatTurn("assistant", (("text", "I see."),)))
+    return tuple(turns)
+
+
+def request(turns: tuple[ChatTurn, ...]) -> GenerationRequest:
+    options = (("audio", "0"), ("max_new_tokens", "1"))
+    return GenerationRequest(prompt="", messages=turns, options=options)
+
+
+def first_token_ms(thinker: Thinker, req: GenerationRequest, device: torch.device) -> float:
+    start = time.perf_counter()
+    state = thinker.prepare(req, StageState({}, {}))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = (time.perf_counter() - start) * 1e3
+    thinker.finish(state)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--history", type=int, default=2000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    model_dir = args.model or build_tiny_fixture(Path(tempfile.mkdtemp()) / "qwen-omni-tiny")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    thinker = Thinker.load(model_dir, device, dtype, max_slots=2)
+    history = history_turns(args.history, thinker.tokenizer)
+    turn1 = request((*history, ChatTurn("user", (("text", "Tell me a short story."),))))
+    turn2 = request(
+        (*turn1.messages, ChatTurn("assistant", (("text", "No."),)), ChatTurn("user", (("text", "Why?"),)))
+    )
+    first_token_ms(thinker, turn1, device)  # warm-up, and the prefix turn 2 reuses
+    results: dict[str, list[float]] = {"reused": [], "recomputed": []}
+    for _ in range(args.rounds):
+        first_token_ms(thinker, turn1, device)
+        results["reused"].append(first_token_ms(thinker, turn2, device))
+        thinker.prefixes.clear()
+        results["recomputed"].append(first_token_ms(thinker, turn2, device))
+    prompt = thinker.processor.tokenizer.apply_chat_template(  # type: ignore[union-attr]
+        [{"role": t.role, "content": t.parts[0][1]} for t in turn2.messages],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    medians = {name: statistics.median(times) for name, times in results.items()}
+    for name, median in medians.items():
+        line = {"case": name, "turn2_prompt_tokens": len(prompt), "first_token_ms_p50": round(median, 2)}
+        print(json.dumps({**line, "device": str(device), "dtype": args.dtype, "rounds": args.rounds}))
+    print(json.dumps({"ratio_recomputed_over_reused": round(medians["recomputed"] / medians["reused"], 2)}))
+
+
+if __name__ == "__main__":
+    main()
