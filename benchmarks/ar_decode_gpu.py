@@ -304,18 +304,22 @@ def main(argv: list[str] | None = None) -> None:
     build_tokenizer().save_pretrained(processor_dir)
     processor = load_processor(processor_dir)
     ids = torch.tensor([[i % 300 + 20 for i in range(64)]], device=device)
-    for attention in args.attention:
-        thinker = Thinker(
+
+    def thinker_of(max_slots: int, decode: str) -> Thinker:
+        return Thinker(
             model,
             processor,
             {"Chelsie": {"bos_token": 10}},
             (11, 12),
             device,
             torch.bfloat16,
-            max_slots=max(args.concurrency),
+            max_slots=max_slots,
             max_tokens=1024,
-            decode="graphs",
+            decode=decode,
         )
+
+    for attention in args.attention:
+        thinker = thinker_of(max(args.concurrency), "graphs")
         assert thinker.graphed is not None
         thinker.graphed.attention = attention  # before any step is recorded
         for concurrency in args.concurrency:
@@ -333,17 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         del thinker
     if "eager" not in args.skip:
         model.set_attn_implementation("sdpa")  # the graphed runner switched it
-        thinker = Thinker(
-            model,
-            processor,
-            {"Chelsie": {"bos_token": 10}},
-            (11, 12),
-            device,
-            torch.bfloat16,
-            max_slots=8,
-            max_tokens=1024,
-            decode="eager",
-        )
+        thinker = thinker_of(8, "eager")
         found = ours(thinker, 1, 40)
         emit(part="omnistage eager", concurrency=1, **{k: round(v, 3) for k, v in found.items()})
         del thinker

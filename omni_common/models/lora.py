@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
+from omni_common.checked_files import SafetensorsHeader, is_directory
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from omni_common.limits import MAX_LORA_SCALE
-from omni_common.models.checked_files import SafetensorsHeader, is_directory
 from omni_common.models.weights import local_path, read_safetensors, safetensors_in
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from omni_common.checked_files import HeaderCheck, confined, read_safetensors_file, shown
 from omni_common.errors import NotFound
-from omni_common.models.checked_files import HeaderCheck, confined, read_safetensors_file, shown
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from omni_common.checked_files import SafetensorsHeader, is_directory
 from omni_common.errors import InvalidArgument
-from omni_common.models.checked_files import SafetensorsHeader, is_directory
 from omni_common.models.weights import local_path, read_safetensors, safetensors_in
 
 

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import torch
 
+from omni_common.checked_files import FileReader
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unimplemented
 from omni_common.execution.compile_cache import use_compile_cache
 from omni_common.models.base import (
@@ -30,7 +31,6 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
-from omni_common.models.checked_files import FileReader
 from omni_common.models.lora import LoraInfo, LoraLayers, check_name
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from omni_common.checked_files import read_safetensors_file
 from omni_common.errors import InvalidArgument, NotFound, ResourceExhausted
-from omni_common.models.checked_files import read_safetensors_file
 from omni_common.models.lora import LoraLayers
 from omni_common.runtime.hot_reload import read_weights
 
