@@ -8,9 +8,10 @@ parts' settings, as the published checkpoint has it) and its tokenizer; nothing 
 Two choices, both so that every machine computes the same inputs:
 - the image processor is the PIL backend (`Qwen2VLImageProcessorPil`) whether or not torchvision
   is installed (transformers picks the torchvision one when it is, which resizes differently);
-- no video processor: omnistage takes no video, and transformers' processor checks even an
-  absent video processor's class, which needs torchvision (`NoVideoProcessor` skips that check
-  for an absent part only).
+- no video processor: omnistage takes no video, and transformers' video processor class needs
+  torchvision. `NoVideo` stands in its place: it has the sizes that transformers' processor reads
+  of it even for a call without video (5.19 reads `merge_size` on every call), and refuses
+  frames; `NoVideoProcessor` lets it pass the processor's class check.
 """
 
 from __future__ import annotations
@@ -68,13 +69,32 @@ IMAGE_PROCESSOR: dict[str, Any] = {
 MEDIA_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
 
 
+class NoVideo:
+    """The video part's stand-in (see the module docstring): the image processor's patch sizes,
+    no model inputs, and a clear refusal of frames."""
+
+    def __init__(self, images: Qwen2VLImageProcessorPil) -> None:
+        self.model_input_names: list[str] = []
+        self.merge_size = images.merge_size
+        self.temporal_patch_size = images.temporal_patch_size
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise InvalidArgument("Qwen2.5-Omni in omnistage takes audio and images, not video")
+
+
 class NoVideoProcessor(Qwen2_5OmniProcessor):
-    """transformers' processor, allowed to lack its video part (see the module docstring)."""
+    """transformers' processor with `NoVideo` as its video part (see the module docstring)."""
 
     def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-        if argument is None:
+        if isinstance(argument, NoVideo):
             return None
         return super().check_argument_for_proper_class(argument_name, argument)
+
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' serialisation (for printing and saving) without the stand-in."""
+        settings = super().to_dict()
+        settings.pop("video_processor", None)
+        return settings
 
 
 def preprocessor_config(chunk_length: int = 300) -> dict[str, Any]:
@@ -98,7 +118,7 @@ def load_processor(model_dir: Path) -> NoVideoProcessor:
         )
     return NoVideoProcessor(
         image_processor=images,
-        video_processor=None,
+        video_processor=NoVideo(images),
         feature_extractor=extractor,
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,

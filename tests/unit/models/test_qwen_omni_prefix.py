@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omni_common.audio_input import inspect_audio, wav_bytes
+from omni_common.errors import InvalidArgument
 from omni_common.models.base import ChatTurn, GenerationRequest, StageState, input_audio_name
 from omni_common.models.qwen_omni.thinker import Thinker
 
@@ -76,3 +77,11 @@ def test_new_weights_empty_the_cache(thinker: Thinker) -> None:
     assert thinker.prefix_stats().entries > 0
     thinker.weights_changed()
     assert thinker.prefix_stats().entries == 0 and thinker.prefix_stats().bytes == 0
+
+
+def test_the_processor_has_no_video_part_and_says_so(thinker: Thinker) -> None:
+    """The video part is a stand-in (transformers' needs torchvision): the processor still
+    prints, and frames get a clear refusal."""
+    assert "NoVideoProcessor" in repr(thinker.processor)
+    with pytest.raises(InvalidArgument, match="not video"):
+        thinker.processor.video_processor(videos=[np.zeros((2, 28, 28, 3), np.uint8)])
