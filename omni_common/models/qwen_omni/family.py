@@ -131,6 +131,7 @@ class QwenOmniFamily:
                     streamed=("thinker_states",),
                     produces=("codes",),
                     progress="tokens",
+                    resumable=True,
                 ),
                 PlanStep(
                     "token2wav",
@@ -139,6 +140,7 @@ class QwenOmniFamily:
                     consumes=("codes",),
                     streamed=("codes",),
                     produces=("mel",),
+                    resumable=True,
                 ),
                 PlanStep(
                     "vocoder",

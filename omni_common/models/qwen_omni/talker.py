@@ -13,6 +13,14 @@ element exists, or when the thinker has ended (eos and pad are then known). Samp
 codec-bos suppressed, eos = codec pad or end) from the request's generator.
 
 Codes leave in chunks of CODES_PER_CHUNK ("codes" [n] int64; the eos is not sent).
+
+Checkpoints (every few codes): the codes picked so far and the request's generator, a few KB.
+The KV cache is not in them (at real size ~24 KB a code, a checkpoint would grow with the
+reply): a replica that takes over prefills the thinker's first chunk as usual, then, once the
+stream has brought the rows those codes read, recomputes their KV in one forward (`_catch_up`,
+as vLLM recomputes a preempted request) and samples on from the checkpoint's generator. That
+KV equals the stepped one within float rounding, so the codes that follow are the
+uninterrupted ones unless a draw falls within rounding of a boundary, as in a batch.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import GenerationState, SlotGenerator
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
 from omni_common.models.qwen_omni.options import option_int
+from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta_int, restore_generator
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64
@@ -44,6 +53,8 @@ class TalkerState(GenerationState):
     thinker_ended: bool = False
     eos_given: bool = False
     codes_sent: int = 0
+    # Restored from a checkpoint: decode steps whose KV is still to recompute (_catch_up).
+    replay: int = 0
 
 
 class Talker(SlotGenerator):
@@ -141,7 +152,11 @@ class Talker(SlotGenerator):
 
     def ready(self, state: StepState) -> bool:
         assert isinstance(state, TalkerState)
-        return bool(state.reply) or state.thinker_ended or self.is_done(state)
+        if self.is_done(state):
+            return True
+        if state.replay:  # the catch-up reads a row per replayed step
+            return len(state.reply) >= state.replay or state.thinker_ended
+        return bool(state.reply) or state.thinker_ended
 
     def _next_row(self, state: TalkerState) -> torch.Tensor:
         """This step's thinker_reply_part element: the next reply row; once the thinker ended and
@@ -155,6 +170,10 @@ class Talker(SlotGenerator):
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
         live = [s for s in self.live(states) if isinstance(s, TalkerState) and self.ready(s)]
+        for state in live:
+            if state.replay:
+                self._catch_up(state)
+        live = [state for state in live if self.ready(state)]
         if not live:
             return
         cache = self.slots.batch([state.slot for state in live])
@@ -170,6 +189,53 @@ class Talker(SlotGenerator):
         )
         self.pick(live, output.logits)
         cache.advance()
+
+    def checkpoint(self, state: StepState) -> StageState:
+        """The codes picked so far and the generator: with the thinker's stream, what another
+        replica needs to continue the request (see the module's docstring)."""
+        assert isinstance(state, TalkerState)
+        tensors = {"codes": state.generated.clone(), GENERATOR: generator_state(state.sampling.generator)}
+        meta = {"codes_sent": str(state.codes_sent), "chunks_sent": str(state.chunks_sent)}
+        return StageState(tensors, meta)
+
+    def restore(self, state: StepState, checkpoint: StageState) -> None:
+        """Move a state fresh from `prepare` (its first code picked) to the checkpoint's codes and
+        generator; the KV of the codes after the first is recomputed at its next step."""
+        assert isinstance(state, TalkerState)
+        codes = checkpoint.tensors.get("codes")
+        if codes is None or codes.dim() != 1 or codes.dtype != torch.int64:
+            raise InvalidArgument("a talker checkpoint's codes must be a 1-D int64 tensor")
+        picked = codes.numel()
+        if not 1 <= picked <= state.total_steps:
+            raise InvalidArgument(f"a talker checkpoint holds 1 to {state.total_steps} codes, not {picked}")
+        if int(codes[0]) != state.last_token:
+            raise InvalidArgument("the talker checkpoint is of another request (its first code differs)")
+        sent = meta_int(checkpoint, "codes_sent", 0, picked)
+        chunks = meta_int(checkpoint, "chunks_sent", 0, picked)
+        restore_generator(state.sampling.generator, checkpoint)
+        start = state.prompt_length
+        state.sequence[0, start : start + picked] = codes.to(state.sequence.device)
+        state.step_index, state.last_token = picked, int(codes[-1])
+        state.codes_sent, state.chunks_sent = sent, chunks
+        state.replay = picked - 1
+
+    def _catch_up(self, state: TalkerState) -> None:
+        """The KV of the restored codes' decode steps, in one forward over the inputs those steps
+        read (each code fed back plus its step's thinker row), on top of the prefill's."""
+        count = state.replay
+        rows = torch.cat([self._next_row(state) for _ in range(count)]).unsqueeze(0)  # [1, n, H]
+        start = state.prompt_length
+        codes = state.sequence[:, start : start + count].to(self.device)
+        embeds = self.model.get_input_embeddings()(codes) + rows
+        cache = DynamicCache(config=self.model.config)
+        keys, values = self.slots.read(state.slot)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            cache.update(k, v, layer)
+        length = state.slot.length
+        positions = torch.arange(length, length + count, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        self.fill_slot(state, cache)
+        state.replay = 0
 
     def take_partial(self, state: StepState) -> StageState | None:
         """Codes made since the last chunk, CODES_PER_CHUNK at a time (the rest at the end)."""

@@ -25,6 +25,12 @@ Two modes (option stream_audio):
 Chunks (take_partial): "mel" [mel_dim, n] float32, the chunk's frames, and "lookahead"
 [mel_dim, m], the window's frames after them (provisional: the next chunk makes them again; the
 vocoder reads them as right context only); meta "frame" (the chunk's first frame), "chunk".
+
+Checkpoints (streamed mode): after each window, the noise drawn that later windows still read
+(from PAST_BLOCKS before the next chunk on) and the generator, with the frame and chunk counts.
+A replica that takes over is fed the codes again from the start and solves the next window
+with the same noise, so the mel it sends equals the uninterrupted one. A one-shot request has
+one window and restarts it.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import numpy as np
 import torch
 from transformers import Qwen2_5OmniToken2WavModel
 
-from omni_common.errors import InvalidArgument, Unimplemented
+from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.options import option_int, speaker_of
+from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta_int, restore_generator
 
 FIRST_BLOCKS, CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 1, 3, 2, 1
 SWAY = -1.0  # Qwen2_5OmniToken2WavModel's sway_coefficient
@@ -70,12 +77,14 @@ class Token2WavState(StepState):
     times: torch.Tensor  # [steps] the solver's time points
     codes: list[int] = field(default_factory=list)
     ended: bool = False
-    noise: torch.Tensor | None = None  # [1, frames drawn, mel_dim]
+    noise: torch.Tensor | None = None  # [1, frames drawn - noise_from, mel_dim]
+    noise_from: int = 0  # the first frame `noise` holds (earlier ones no window reads again)
     window: Window | None = None
     frames_done: int = 0
     # (first frame, the chunk's mel [D, n], the window's provisional frames after it [D, m])
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chunks_sent: int = 0
+    checkpointed: int = 0  # frames_done at the latest checkpoint
 
 
 class Token2Wav:
@@ -148,8 +157,9 @@ class Token2Wav:
         return state.window is not None or self._next_window(state) is not None or self.is_done(state)
 
     def _noise(self, state: Token2WavState, frames: int) -> torch.Tensor:
-        """The utterance's noise up to `frames`, drawn in order as it is needed."""
-        have = 0 if state.noise is None else state.noise.shape[1]
+        """The utterance's noise from frame `noise_from` up to `frames`, drawn in order as it
+        is needed."""
+        have = state.noise_from + (0 if state.noise is None else state.noise.shape[1])
         if frames > have:
             more = torch.randn(
                 [1, frames - have, self.mel_dim],
@@ -170,7 +180,7 @@ class Token2Wav:
         if end > limit:
             raise InvalidArgument(f"the reply's mel is {end} frames; token2wav holds at most {limit}")
         codes = torch.tensor([state.codes[start // self.repeats : end // self.repeats]], device=self.device)
-        noise = self._noise(state, end)[:, start:end]
+        noise = self._noise(state, end)[:, start - state.noise_from : end - state.noise_from]
         state.window = Window(start, end, out_start, out_end, noise.clone(), codes)
 
     def batch_key(self, state: StepState) -> Hashable:
@@ -250,6 +260,11 @@ class Token2Wav:
         state.pending.append((window.out_start, kept, lookahead))
         state.frames_done = window.out_end
         state.window = None
+        # Later windows start at most PAST_BLOCKS before the next chunk: the noise before is done.
+        keep = max(0, state.frames_done - PAST_BLOCKS * self.block)
+        if state.noise is not None and keep > state.noise_from:
+            state.noise = state.noise[:, keep - state.noise_from :].clone()
+            state.noise_from = keep
 
     def take_partial(self, state: StepState) -> StageState | None:
         assert isinstance(state, Token2WavState)
@@ -272,10 +287,38 @@ class Token2Wav:
         return None
 
     def checkpoint(self, state: StepState) -> StageState | None:
-        return None
+        """Once per window solved (None in between, and while one is being solved): the noise
+        later windows read, the generator, the frames and chunks done."""
+        assert isinstance(state, Token2WavState)
+        if state.window is not None or state.pending or state.frames_done <= state.checkpointed:
+            return None
+        state.checkpointed = state.frames_done
+        noise = state.noise if state.noise is not None else torch.zeros(1, 0, self.mel_dim)
+        meta = {"frames_done": str(state.frames_done), "chunks_sent": str(state.chunks_sent)}
+        meta["noise_from"] = str(state.noise_from)
+        return StageState({"noise": noise.clone(), GENERATOR: generator_state(state.generator)}, meta)
 
     def restore(self, state: StepState, checkpoint: StageState) -> None:
-        raise Unimplemented("token2wav does not resume from checkpoints")
+        """Move a state fresh from `prepare` to the checkpoint's window, noise and generator."""
+        assert isinstance(state, Token2WavState)
+        if not state.streamed:
+            raise InvalidArgument("a one-shot token2wav request does not resume")
+        limit = self.dit.config.max_position_embeddings
+        frames_done = meta_int(checkpoint, "frames_done", 1, limit)
+        noise_from = meta_int(checkpoint, "noise_from", 0, frames_done)
+        if noise_from != max(0, frames_done - PAST_BLOCKS * self.block):
+            raise InvalidArgument("the token2wav checkpoint's noise must start where the next window reads")
+        noise = checkpoint.tensors.get("noise")
+        shape = None if noise is None else (noise.dim(), noise.shape[0], noise.shape[-1])
+        if noise is None or shape != (3, 1, self.mel_dim) or not noise.is_floating_point():
+            raise InvalidArgument(f"a token2wav checkpoint's noise must be [1, n, {self.mel_dim}] float")
+        if noise.shape[1] < frames_done - noise_from:
+            raise InvalidArgument("the token2wav checkpoint's noise ends before its frames do")
+        state.chunks_sent = meta_int(checkpoint, "chunks_sent", 1, frames_done)
+        restore_generator(state.generator, checkpoint)
+        state.noise = noise.to(self.device, torch.float32)
+        state.noise_from = noise_from
+        state.frames_done = state.checkpointed = frames_done
 
     def finish(self, state: StepState) -> StageState:
         assert isinstance(state, Token2WavState)
