@@ -5,6 +5,7 @@ the vocoder on vae-decode, each streaming into the next), next to transformers' 
 audio only once the whole reply is spoken. Same checkpoint, prompt, token caps and seeds.
 
     python benchmarks/speech.py [--model DIR] [--codes 240] [--tokens 32] [--rounds 3]
+        [--feed-tokens 1 8]
 
 Concurrency 1: each side serves one request at a time. Concurrency 8: our side takes 8 requests
 at once (continuous batching in every stage); transformers gets the 8 as one batched `generate`
@@ -14,7 +15,9 @@ again with the next seed). First audio: ours is
 the first AudioChunk at the client; transformers' is the whole waveform. Real-time factor: wall
 time over seconds of audio made (below 1 is faster than real time). One JSON line per result,
 then the ratios. Without --model, the tiny random fixture (a random talker never ends by itself:
-`--codes` caps its speech; 240 codes = 4.8 s).
+`--codes` caps its speech; 240 codes = 4.8 s). `--feed-tokens` runs our side once per value of
+the option feed_tokens (thinker tokens per Feed to the talker; 1 is a Feed per token) and counts
+the talker's Feed RPCs per reply (the ar-encoder's omnistage_stage_feeds metric).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import os
 import statistics
 import tempfile
 import time
+import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,7 +39,7 @@ import torch
 
 from omni_common.chat import SpeechChunk
 from omni_common.client import AsyncClient
-from omni_common.cluster import LocalCluster, loopback_plan
+from omni_common.cluster import LOOPBACK, LocalCluster, LocalProcess, free_port, loopback_plan
 from omni_common.models.qwen_omni.checkpoint import chat_input_ids
 from omni_common.models.qwen_omni.fixture import build_tiny_fixture
 from omni_common.models.qwen_omni.reference import load_model
@@ -85,9 +90,11 @@ def transformers_side(
     }
 
 
-async def our_side(address: str, concurrency: int, tokens: int, codes: int, rounds: int) -> dict[str, float]:
+async def our_side(
+    address: str, concurrency: int, tokens: int, codes: int, rounds: int, feed_tokens: int
+) -> dict[str, float]:
     """Streamed replies through the cluster: ms to the first AudioChunk and to the end."""
-    options = {"max_new_tokens": tokens, "talker_max_new_tokens": codes}
+    options = {"max_new_tokens": tokens, "talker_max_new_tokens": codes, "feed_tokens": feed_tokens}
     firsts, dones, audio_s, wall = [], [], 0.0, 0.0
 
     async def reply(client: AsyncClient, seed: int) -> tuple[float, float, float]:
@@ -123,6 +130,7 @@ def main() -> None:
     parser.add_argument("--codes", type=int, default=240)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--feed-tokens", type=int, nargs="+", default=[8])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or build_tiny_fixture(Path(scratch) / "qwen-omni-tiny")
@@ -130,20 +138,45 @@ def main() -> None:
         for c in args.concurrency:
             found["transformers", c] = transformers_side(model, c, args.tokens, args.codes, args.rounds)
             emit(side="transformers one-shot generate", concurrency=c, **_rounded(found["transformers", c]))
-        with LocalCluster(loopback_plan(model), log_dir=Path(scratch)) as cluster:
+        plan, metrics = with_metrics(loopback_plan(model), "ar-encoder")
+        with LocalCluster(plan, log_dir=Path(scratch)) as cluster:
             for c in args.concurrency:
-                found["ours", c] = asyncio.run(
-                    our_side(cluster.coordinator, c, args.tokens, args.codes, args.rounds)
-                )
-                emit(side="omnistage streamed", concurrency=c, **_rounded(found["ours", c]))
+                for k in args.feed_tokens:
+                    fed = talker_feeds(metrics)
+                    ours = asyncio.run(
+                        our_side(cluster.coordinator, c, args.tokens, args.codes, args.rounds, k)
+                    )
+                    ours["feeds_per_reply"] = (talker_feeds(metrics) - fed) / (c * (args.rounds + 1))
+                    found[f"ours k={k}", c] = ours
+                    emit(side="omnistage streamed", concurrency=c, feed_tokens=k, **_rounded(ours))
     emit(
         summary="omnistage / transformers",
         ratios={
-            f"c{c} {key}": round(found["ours", c][key] / found["transformers", c][key], 3)
+            f"c{c} feed_tokens={k} {key}": round(
+                found[f"ours k={k}", c][key] / found["transformers", c][key], 3
+            )
             for c in args.concurrency
+            for k in args.feed_tokens
             for key in ("first_audio_ms", "done_ms", "rtf")
         },
     )
+
+
+def with_metrics(plan: list[LocalProcess], name: str) -> tuple[list[LocalProcess], str]:
+    """`plan` with process `name` serving its metrics on a free port; their URL."""
+    port = free_port()
+    index = next(i for i, proc in enumerate(plan) if proc.name == name)
+    proc = plan[index]
+    plan[index] = replace(proc, environment={**proc.environment, "OMNISTAGE_METRICS_PORT": str(port)})
+    return plan, f"http://{LOOPBACK}:{port}/metrics"
+
+
+def talker_feeds(url: str) -> float:
+    """The Feed calls the talker has taken so far."""
+    with urllib.request.urlopen(url, timeout=10) as response:  # (our own loopback URL)
+        text = response.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("omnistage_stage_feeds_total{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'role="talker"' in line)
 
 
 def _rounded(row: dict[str, float]) -> dict[str, float]:

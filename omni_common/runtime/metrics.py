@@ -90,7 +90,18 @@ class StageMetrics:
             registry=self.registry,
         ).labels(stage=stage).set_function(in_flight)
         self.requests = RequestOutcomes(self.registry, "omnistage_stage", "served", {"stage": stage})
+        self.feeds = Counter(
+            "omnistage_stage_feeds",
+            "Stage.Feed calls taken (input chunks of streaming calls, one RPC each), by role",
+            ["stage", "role"],
+            registry=self.registry,
+        )
+        self._stage = stage
         self._steps(stage, steps)
+
+    def fed(self, role: str) -> None:
+        """One Feed call for `role` (a role this replica serves) was taken."""
+        self.feeds.labels(stage=self._stage, role=role).inc()
 
     def _steps(self, stage: str, steps: Callable[[], Mapping[str, StepTotals]]) -> None:
         """Step-wise roles: steps run, device time in them and device idle time between them

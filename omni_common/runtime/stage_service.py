@@ -309,6 +309,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             check_finite(tensors)
             inbox.imported.extend(tensors.values())
             inbox.put(request.index, Chunk(StageState(tensors, meta), request.end))
+            self.metrics.fed(request.role)
         except OmniError as err:
             log.info("feed of request %s: %s %s", request.request_id[:128], err.code.name, err.message)
             await abort(context, err)

@@ -74,20 +74,23 @@ async def feed(
     stub: stage_pb2_grpc.StageStub, request_id: str, role: str, stream: Stream, *, timeout: float | None
 ) -> None:
     """Send `stream`'s chunks from index 1 on (chunk 0 went with the Run call) to a consumer's
-    streaming call, then the end. Stops quietly when the call is gone: the Run call's own
-    status says why."""
-    index = 1
+    streaming call, then the end. A chunk without tensors (text for the client alone) is not
+    sent: Feed indices count the chunks sent, so a consumer fed again from the start gets the
+    same ones. Stops quietly when the call is gone: the Run call's own status says why."""
+    index, fed = 1, 1
     try:
         while True:
             more = await stream.wait(index + 1)
             if not more:
-                end = stage_pb2.FeedRequest(request_id=request_id, role=role, index=index, end=True)
+                end = stage_pb2.FeedRequest(request_id=request_id, role=role, index=fed, end=True)
                 await stub.Feed(end, timeout=timeout)
                 return
-            chunk = stage_pb2.FeedRequest(
-                request_id=request_id, role=role, index=index, chunk=stream.chunks[index]
-            )
-            await stub.Feed(chunk, timeout=timeout)
+            chunk = stream.chunks[index]
             index += 1
+            if not chunk.tensors:
+                continue
+            sent = stage_pb2.FeedRequest(request_id=request_id, role=role, index=fed, chunk=chunk)
+            await stub.Feed(sent, timeout=timeout)
+            fed += 1
     except grpc.RpcError as err:
         log.info("request %s: feeding %s stopped: %s", request_id, role, err.code().name)

@@ -24,6 +24,14 @@ OPTIONS = (
     OptionSpec("talker_max_new_tokens", "int", "4096", 1, 8192, "the most codec tokens the talker says"),
     OptionSpec("thinker_do_sample", "int", "0", 0, 1, "1: the thinker samples (seeded); 0: greedy"),
     OptionSpec("talker_do_sample", "int", "1", 0, 1, "1: the talker samples (seeded), as generate does"),
+    OptionSpec(
+        "feed_tokens",
+        "int",
+        "8",
+        1,
+        256,
+        "thinker tokens per chunk of hidden states to the talker (the first goes alone, at once)",
+    ),
 )
 
 

@@ -8,11 +8,16 @@ the embedding (layer 0) of the token that step fed in. The prefill gives the pro
 decode step k gives the row of token k-1 (the last token picked is never fed back, so it has
 none), exactly the rows `generate` sums into `talker_inputs_embeds` and `thinker_reply_part`.
 
-Chunks (StreamingRunner.take_partial), one per decode step once the first row exists:
-chunk 0 holds "prompt" [L, H] (the prompt's rows), "specials" [3, H]
-(the embeddings of the speaker's text-bos, the talker's text-eos and text-pad tokens, which the
-talker appends to the stream) and "reply" [1, H]; later chunks "reply" [n, H]. Meta "text" is
-the reply text the chunk adds. Text-only requests send text alone.
+Chunks (StreamingRunner.take_partial), once the first row exists, after every decode step that
+adds text or completes a group of rows: chunk 0 holds "prompt" [L, H] (the prompt's rows),
+"specials" [3, H] (the embeddings of the speaker's text-bos, the talker's text-eos and text-pad
+tokens, which the talker appends to the stream) and "reply" [1, H], the first row alone, so the
+talker starts at once; later chunks hold "reply" [k, H] every k tokens (option feed_tokens; the
+rest at the end): the talker is fed a group per k tokens, not an RPC per token, and trails the
+thinker by fewer than k rows. Chunks in between carry text alone (the coordinator feeds the
+talker none of them). Meta "text" is the reply text the chunk adds. The chunks depend on the
+tokens alone, never on timing, so a thinker that restarts elsewhere sends the same ones.
+Text-only requests send text alone.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ GRAPHED_MAX_TOKENS = 4096
 @dataclass(kw_only=True, eq=False)
 class ThinkerState(GenerationState):
     speak: bool
+    feed_rows: int  # talker rows per chunk after the first
     rows: list[torch.Tensor] = field(default_factory=list)  # talker rows not sent yet, [n, H] each
     first: dict[str, torch.Tensor] = field(default_factory=dict)  # what chunk 0 adds
     text_sent: str = ""
@@ -173,6 +179,7 @@ class Thinker(SlotGenerator):
                 prompt_length=length,
                 position_offset=prompt.rope_delta,
                 speak=speak,
+                feed_rows=option_int(request, "feed_tokens"),
                 prompt=prompt,
             )
             self.check_graphable(state.sampling)
@@ -294,7 +301,7 @@ class Thinker(SlotGenerator):
             text = text.rstrip("\ufffd")
         delta = text[len(state.text_sent) :] if text.startswith(state.text_sent) else ""
         tensors: dict[str, torch.Tensor] = {}
-        if state.speak and state.rows:
+        if state.speak and state.rows and self._rows_due(state):
             tensors = {**state.first, "reply": torch.cat(state.rows)} if state.chunks_sent == 0 else {}
             tensors.setdefault("reply", torch.cat(state.rows))
             state.history.extend(state.rows)
@@ -307,6 +314,11 @@ class Thinker(SlotGenerator):
         meta = {"chunk": str(state.chunks_sent), "text": delta}
         state.chunks_sent += 1
         return StageState(tensors=tensors, meta=meta)
+
+    def _rows_due(self, state: ThinkerState) -> bool:
+        """Whether the rows made go now: the first at once, then a group of `feed_rows`, the
+        rest at the end."""
+        return state.chunks_sent == 0 or len(state.rows) >= state.feed_rows or self.is_done(state)
 
     def finish(self, state: StepState) -> StageState:
         """{"text_ids": [n]} (the reply's tokens, eos kept); meta "tokens"."""
