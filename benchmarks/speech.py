@@ -5,7 +5,7 @@ the vocoder on vae-decode, each streaming into the next), next to transformers' 
 audio only once the whole reply is spoken. Same checkpoint, prompt, token caps and seeds.
 
     python benchmarks/speech.py [--model DIR] [--codes 240] [--tokens 32] [--rounds 3]
-        [--feed-tokens 1 8]
+        [--feed-tokens 1 8] [--no-reference]
 
 Concurrency 1: each side serves one request at a time. Concurrency 8: our side takes 8 requests
 at once (continuous batching in every stage); transformers gets the 8 as one batched `generate`
@@ -17,7 +17,8 @@ time over seconds of audio made (below 1 is faster than real time). One JSON lin
 then the ratios. Without --model, the tiny random fixture (a random talker never ends by itself:
 `--codes` caps its speech; 240 codes = 4.8 s). `--feed-tokens` runs our side once per value of
 the option feed_tokens (thinker tokens per Feed to the talker; 1 is a Feed per token) and counts
-the talker's Feed RPCs per reply (the ar-encoder's omnistage_stage_feeds metric).
+the talker's Feed RPCs per reply (the ar-encoder's omnistage_stage_feeds metric);
+`--no-reference` leaves transformers out (to compare our own settings on a busy machine).
 """
 
 from __future__ import annotations
@@ -131,11 +132,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--feed-tokens", type=int, nargs="+", default=[8])
+    parser.add_argument("--no-reference", action="store_true", help="skip transformers' side")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or build_tiny_fixture(Path(scratch) / "qwen-omni-tiny")
         found: dict[tuple[str, int], dict[str, float]] = {}
-        for c in args.concurrency:
+        for c in [] if args.no_reference else args.concurrency:
             found["transformers", c] = transformers_side(model, c, args.tokens, args.codes, args.rounds)
             emit(side="transformers one-shot generate", concurrency=c, **_rounded(found["transformers", c]))
         plan, metrics = with_metrics(loopback_plan(model), "ar-encoder")
@@ -149,6 +151,8 @@ def main() -> None:
                     ours["feeds_per_reply"] = (talker_feeds(metrics) - fed) / (c * (args.rounds + 1))
                     found[f"ours k={k}", c] = ours
                     emit(side="omnistage streamed", concurrency=c, feed_tokens=k, **_rounded(ours))
+    if args.no_reference:
+        return
     emit(
         summary="omnistage / transformers",
         ratios={

@@ -453,7 +453,11 @@ class RequestFlow:
             return
         is_audio = "audio" in (ref.name for ref in partial.tensors)
         if not is_audio and self.transport.lease_ids(partial):
-            partial = await self._hold(req, replica.address, partial)
+            try:
+                partial = await self._hold(req, replica.address, partial)
+            except OmniError as err:  # its producer died as it arrived: the step moves on
+                lost = f"{replica.stage} replica {replica.address} was lost ({err.message})"
+                raise ReplicaLost(lost) from None
         stream.push(partial)
         if partial.meta.get("text"):
             req.text.append(partial.meta["text"])

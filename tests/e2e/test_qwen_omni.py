@@ -1,15 +1,19 @@
 """Qwen2.5-Omni in real processes: a reply equals transformers' one-shot
 `generate(return_audio=True)` bit for bit (text and waveform, greedy and sampled), and replies
-whose talker or token2wav replica is killed with SIGKILL mid-reply finish on the other replica
-with the text and audio of an uninterrupted run (seeded stages make the same chunks again; the
-coordinator feeds the new replica the stream from its start and drops repeated chunks)."""
+whose thinker, talker or token2wav replica is killed with SIGKILL mid-reply finish on the other
+replica with the text and audio of an uninterrupted run: a thinker starts again from the seed
+and makes the same chunks (the coordinator drops those it holds), the talker and token2wav
+resume from their checkpoints, and the coordinator feeds the new replica the stream from its
+start, from its own copies of the chunks."""
 
 from __future__ import annotations
 
 import io
+import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +24,10 @@ from PIL import Image
 from omni_common.audio_input import wav_bytes
 from omni_common.chat import ReplyBuilder, chat_request
 from omni_common.client import Client
-from omni_common.cluster import LocalCluster, loopback_plan
+from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError
 from omni_common.models.qwen_omni.reference import reference_generate
+from omnistage.v1 import coordinator_pb2 as cpb
 from tests.conftest import assert_no_segment_added, omnistage_segments
 
 pytestmark = pytest.mark.slow
@@ -100,59 +105,125 @@ def test_a_reply_to_text_and_media_equals_the_processor_and_generate_bitwise(
     np.testing.assert_array_equal(reply.audio, ref.waveform.numpy())
 
 
-LONG = {"max_new_tokens": 48, "talker_max_new_tokens": 600}  # 12 s of speech: long enough to kill
+# Long enough to kill each step mid-reply (the thinker writes 120 tokens, the talker says 240
+# codes = 4.8 s): the test waits for progress events, never for time.
+LONG = {"max_new_tokens": 120, "talker_max_new_tokens": 240}
+SEEDS = (1, 2)
+# Below one row of the tiny thinker (32 x 4 bytes): every streamed chunk and checkpoint lives in
+# its producer's shared memory, as a real-size row (7 KB in bf16) does above the default 64 KiB.
+TINY_INLINE = {**ONE_THREAD, "OMNISTAGE_INLINE_BYTES": "64"}
+# Each role's replicas, two of each role that a test kills, each a pod of its own (host id and
+# /dev/shm): a killed replica's shared memory goes with it.
+PODS = {
+    "thinker": ("ar-encoder", "thinker"),
+    "talker": ("ar-encoder", "talker"),
+    "token2wav": ("dit-denoise", ""),
+}
+
+
+@dataclass
+class FailoverCluster:
+    cluster: LocalCluster
+    pods: dict[str, Path]  # replica name -> its shared-memory directory
+    expected: dict[int, object]  # seed -> the uninterrupted Reply
+
+
+@pytest.fixture(scope="module")
+def failover(omni_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FailoverCluster]:
+    root = tmp_path_factory.mktemp("omni-failover")
+    plan = [
+        p
+        for p in loopback_plan(omni_model, "float32", TINY_INLINE)
+        if p.name not in ("ar-encoder", "dit-denoise")
+    ]
+    coordinator, pods = plan[0].health_address, {}
+    for name, (stage, roles) in PODS.items():
+        for replica in (name, f"{name}-2"):
+            pods[replica] = root / replica
+            pods[replica].mkdir()
+            env = {**TINY_INLINE, "OMNISTAGE_DTYPE": "float32", "OMNISTAGE_HOST_ID": replica}
+            env |= {"OMNISTAGE_SHM_DIR": str(pods[replica]), "OMNISTAGE_ROLES": roles}
+            plan.append(stage_process(stage, omni_model, coordinator, replica, env))
+    with LocalCluster(plan, log_dir=root / "logs") as cluster:
+        expected: dict[int, object] = {}
+        for thread in speak_all(cluster.coordinator, expected, lambda _: False, threading.Semaphore(0)):
+            thread.join(300)
+        yield FailoverCluster(cluster, pods, expected)
 
 
 def speak_all(
-    address: str, seeds: list[int], results: dict[int, object], step: str, started: threading.Semaphore
+    address: str,
+    results: dict[int, object],
+    due: Callable[[cpb.GenerateEvent], bool],
+    ready: threading.Semaphore,
 ) -> list[threading.Thread]:
-    """A thread per seed, each putting its Reply (or error) in `results`; `started` is released
-    once per request when its `step` starts."""
+    """A thread per seed, each putting its Reply (or error) in `results`; `ready` is released
+    once per request at its first event for which `due` holds."""
 
     def one(seed: int) -> None:
         with Client(address) as client:
-            builder = ReplyBuilder(0.0)
+            builder, released = ReplyBuilder(0.0), False
             try:
                 for event in client.stream(chat_request(PROMPT, seed=seed, options=LONG)):
-                    if event.HasField("stage_started") and event.stage_started.step == step:
-                        started.release()
+                    if not released and due(event):
+                        released = True
+                        ready.release()
                     builder.add(event, 0.0)
                 results[seed] = builder.build()
             except OmniError as err:
                 results[seed] = err
 
-    threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
+    threads = [threading.Thread(target=one, args=(seed,)) for seed in SEEDS]
     for thread in threads:
         thread.start()
     return threads
 
 
-@pytest.mark.parametrize(("stage", "step"), [("ar-encoder", "talker"), ("dit-denoise", "token2wav")])
-def test_replies_on_a_killed_replica_finish_elsewhere(
-    omni_model: Path, tmp_path: Path, stage: str, step: str
+def tokens_past(step: str, count: int) -> Callable[[cpb.GenerateEvent], bool]:
+    return lambda e: e.HasField("tokens") and e.tokens.step == step and e.tokens.tokens >= count
+
+
+# When to kill: the thinker past 16 tokens of its 120; the talker past 16 codes (the coordinator
+# holds its checkpoint of code 15: checkpoints come every 5 steps, before their progress event);
+# token2wav once audio arrived (its checkpoint of the first window went with that window's mel).
+KILL_WHEN = {
+    "thinker": tokens_past("thinker", 16),
+    "talker": tokens_past("talker", 16),
+    "token2wav": lambda e: e.HasField("audio"),
+}
+
+
+@pytest.mark.parametrize("victim", ["thinker", "talker", "token2wav"])
+def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
+    failover: FailoverCluster, victim: str
 ) -> None:
-    before = omnistage_segments()
-    seeds = [1, 2, 3, 4]
-    plan = loopback_plan(omni_model, "float32", ONE_THREAD, replicas={stage: 2})
-    with LocalCluster(plan, log_dir=tmp_path) as cluster:
-        expected: dict[int, object] = {}
-        for thread in speak_all(cluster.coordinator, seeds, expected, step, threading.Semaphore(0)):
-            thread.join(300)
-        results: dict[int, object] = {}
-        started = threading.Semaphore(0)
-        threads = speak_all(cluster.coordinator, seeds, results, step, started)
-        for _ in seeds:
-            assert started.acquire(timeout=120)
-        assert not results, "the replies finished before the kill: make them longer"
-        cluster.processes[stage].send_signal(signal.SIGKILL)
-        for thread in threads:
-            thread.join(300)
-        log = (tmp_path / "coordinator.log").read_text()
-    for seed in seeds:
-        got, want = results[seed], expected[seed]
+    """SIGKILL of one of two replicas of the thinker, the talker or token2wav mid-reply, its pod's
+    shared memory removed: every reply finishes on the other replica with the uninterrupted text
+    and audio, the thinker's streamed rows read from the coordinator's copies, the talker and
+    token2wav resumed from their checkpoints, not from the start."""
+    cluster, before = failover.cluster, omnistage_segments()
+    results: dict[int, object] = {}
+    ready = threading.Semaphore(0)
+    threads = speak_all(cluster.coordinator, results, KILL_WHEN[victim], ready)
+    for _ in SEEDS:
+        assert ready.acquire(timeout=120)
+    assert not results, "the replies finished before the kill: make them longer"
+    cluster.processes[victim].send_signal(signal.SIGKILL)
+    cluster.processes[victim].wait(30)
+    shutil.rmtree(failover.pods[victim])
+    for thread in threads:
+        thread.join(300)
+    assert cluster.log_dir is not None
+    log = (cluster.log_dir / "coordinator.log").read_text()
+    for seed in SEEDS:
+        got, want = results[seed], failover.expected[seed]
         assert not isinstance(got, OmniError), (seed, got)
         assert got.text == want.text  # type: ignore[union-attr]
-        # Batches differ between an uninterrupted and a resumed run: float rounding, as for images.
-        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-4)  # type: ignore[union-attr]
-    assert "moving on" in log, "no reply failed over"
+        # Batches differ between an uninterrupted and a resumed run: float rounding.
+        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-5)  # type: ignore[union-attr]
+    address = next(proc.health_address for proc in cluster.plan if proc.name == victim)
+    moved = [line for line in log.splitlines() if f"replica {address} " in line and "moving on" in line]
+    assert moved, "no reply failed over"
+    if victim != "thinker":
+        assert f"{victim} resumes on" in log and "checkpoint gone" not in log
     assert_no_segment_added(before)
