@@ -156,15 +156,19 @@ def speak_all(
     results: dict[int, object],
     due: Callable[[cpb.GenerateEvent], bool],
     ready: threading.Semaphore,
+    where: dict[int, dict[str, str]] | None = None,
 ) -> list[threading.Thread]:
     """A thread per seed, each putting its Reply (or error) in `results`; `ready` is released
-    once per request at its first event for which `due` holds."""
+    once per request at its first event for which `due` holds; `where[seed]` says, by step,
+    the replica that runs it (its StageStarted events)."""
 
     def one(seed: int) -> None:
         with Client(address) as client:
             builder, released = ReplyBuilder(0.0), False
             try:
                 for event in client.stream(chat_request(PROMPT, seed=seed, options=LONG)):
+                    if where is not None and event.HasField("stage_started"):
+                        where.setdefault(seed, {})[event.stage_started.step] = event.stage_started.replica
                     if not released and due(event):
                         released = True
                         ready.release()
@@ -203,14 +207,17 @@ def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
     token2wav resumed from their checkpoints, not from the start."""
     cluster, before = failover.cluster, omnistage_segments()
     results: dict[int, object] = {}
+    where: dict[int, dict[str, str]] = {}
     ready = threading.Semaphore(0)
-    threads = speak_all(cluster.coordinator, results, KILL_WHEN[victim], ready)
+    threads = speak_all(cluster.coordinator, results, KILL_WHEN[victim], ready, where)
     for _ in SEEDS:
         assert ready.acquire(timeout=120)
     assert not results, "the replies finished before the kill: make them longer"
-    cluster.processes[victim].send_signal(signal.SIGKILL)
-    cluster.processes[victim].wait(30)
-    shutil.rmtree(failover.pods[victim])
+    address = where[SEEDS[0]][victim]  # the replica running the first reply's step
+    name = next(proc.name for proc in cluster.plan if proc.health_address == address)
+    cluster.processes[name].send_signal(signal.SIGKILL)
+    cluster.processes[name].wait(30)
+    shutil.rmtree(failover.pods[name])
     for thread in threads:
         thread.join(300)
     assert cluster.log_dir is not None
@@ -221,7 +228,6 @@ def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
         assert got.text == want.text  # type: ignore[union-attr]
         # Batches differ between an uninterrupted and a resumed run: float rounding.
         np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-5)  # type: ignore[union-attr]
-    address = next(proc.health_address for proc in cluster.plan if proc.name == victim)
     moved = [line for line in log.splitlines() if f"replica {address} " in line and "moving on" in line]
     assert moved, "no reply failed over"
     if victim != "thinker":

@@ -67,7 +67,9 @@ class Talker(SlotGenerator):
         dtype: torch.dtype,
         max_slots: int,
     ) -> None:
-        super().__init__(model.model, device, dtype, max_slots)
+        # Eager decode on every device: its sampling reads the codes seen (a repetition penalty),
+        # which the graphed decode does not run (and "auto" would pick graphs on CUDA).
+        super().__init__(model.model, device, dtype, max_slots, decode="eager")
         self.model = model
         self.eos = frozenset((model.codec_pad_token, model.codec_eos_token))
 
