@@ -5,7 +5,6 @@ uninterrupted run; bad checkpoints are INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,9 @@ from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.models.qwen_omni.token2wav import Token2Wav
-from tests.unit.models.test_qwen_omni_runners import CPU, request, run_role
+from tests.unit.models.test_qwen_omni_runners import CPU, one_thread, request, run_role
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+__all__ = ["one_thread"]  # its fixture: one CPU thread, as the reference runs
 
 
 @pytest.fixture(scope="module")
