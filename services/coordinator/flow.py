@@ -46,10 +46,10 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
 from services.coordinator.leases import Leases, release_later
 from services.coordinator.offload import SwapPolicy
+from services.coordinator.output_cache import StepOutputCache
 from services.coordinator.plan_run import PlanRun
 from services.coordinator.registry import Replica, ReplicaPool
 from services.coordinator.request import Emit, FlowRequest, StepOutput
-from services.coordinator.step_cache import StepCache
 from services.coordinator.streams import Stream, feed
 
 log = logging.getLogger("omnistage.coordinator")
@@ -96,7 +96,7 @@ class RequestFlow:
         stage_timeout_s: float,
         checkpoint_every: int = 5,
         offload: SwapPolicy | None = None,
-        cache: StepCache | None = None,
+        cache: StepOutputCache | None = None,
         replica_wait_s: float = 0.0,
     ) -> None:
         self.pool = pool
@@ -106,7 +106,7 @@ class RequestFlow:
         self.stage_timeout_s = stage_timeout_s
         self.checkpoint_every = checkpoint_every
         # (not `cache or ...`: an empty cache has len 0, so it is falsy)
-        self.cache = cache if cache is not None else StepCache(transport, max_bytes=0, max_age_s=0.0)
+        self.cache = cache if cache is not None else StepOutputCache(transport, max_bytes=0, max_age_s=0.0)
         # Requests in each plan step now, by (request shape, step name): a step-wise call is told
         # how many requests like its own are still in the steps before it (followers).
         self.in_step: Counter[tuple[tuple[object, ...], str]] = Counter()
