@@ -43,8 +43,8 @@ from omni_common.runtime.hot_reload import (
     read_weights,
     weight_shapes,
 )
+from omni_common.runtime.layerwise_offload import LayerwiseOffload
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
-from omni_common.runtime.offload import LayerwiseOffload
 from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
 from omni_common.runtime.step_scheduler import StepTotals
