@@ -18,7 +18,7 @@ every few steps) and the replica's lease ends at once. When a step's
 inputs are gone (their producer died, or a cached output expired), the steps that produced
 them run again: seeded steps give the same tensors, so the image is the same.
 
-Some steps stream (streams.py): their outputs leave in chunks while they run, a step that
+Some steps stream (step_streams.py): their outputs leave in chunks while they run, a step that
 takes them as a stream starts with the first chunk and is fed the rest, and the result step's
 chunks go to the client as they come (AudioChunk), as does text any step writes (TextDelta).
 """
@@ -50,7 +50,7 @@ from services.coordinator.output_cache import StepOutputCache
 from services.coordinator.plan_run import PlanRun
 from services.coordinator.registry import Replica, ReplicaPool
 from services.coordinator.request import Emit, FlowRequest, StepOutput
-from services.coordinator.streams import Stream, feed
+from services.coordinator.step_streams import Stream, feed
 
 log = logging.getLogger("omnistage.coordinator")
 

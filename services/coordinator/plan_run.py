@@ -20,7 +20,7 @@ from omnistage.v1 import tensor_pb2
 from services.coordinator.output_cache import CachedOutput, StepOutputCache
 from services.coordinator.registry import ReplicaPool
 from services.coordinator.request import FlowRequest, StepOutput
-from services.coordinator.streams import Stream
+from services.coordinator.step_streams import Stream
 
 log = logging.getLogger("omnistage.coordinator")
 

@@ -12,7 +12,7 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
 from services.coordinator.leases import Leases
 from services.coordinator.output_cache import CachedOutput
-from services.coordinator.streams import Stream
+from services.coordinator.step_streams import Stream
 
 Emit = Callable[[cpb.GenerateEvent], Awaitable[None]]
 
