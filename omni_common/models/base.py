@@ -25,9 +25,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
+
 STAGE_TYPES = ("ar-encoder", "dit-denoise", "vae-decode")
-# Module roles: what sleep/wake and offload move (ModuleDeclaration), not model roles.
-MODULE_ROLES = ("dit", "encoder", "vae", "resident")
 RunnerKind = Literal["batch", "steps", "async"]
 # Where a plan step reads the request's own inputs: "input.image.0", "input.image.1", ...
 INPUT_PREFIX = "input."
@@ -36,45 +36,6 @@ INPUT_PREFIX = "input."
 def input_image_name(index: int) -> str:
     """The tensor name of the request's `index`-th input image (its encoded file bytes, uint8)."""
     return f"{INPUT_PREFIX}image.{index}"
-
-
-@dataclass(frozen=True)
-class ModuleDeclaration:
-    """A family's torch modules by module role, as dotted paths relative to a stage model (e.g.
-    "transformer.img_in"). Sleep moves every declared module's weights except those of
-    `resident` modules (small ones that must stay on the device); `layers` name module lists
-    (transformer blocks) that layerwise offload streams through the device one at a time."""
-
-    roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    layers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        unknown = set(self.roles) - set(MODULE_ROLES)
-        if unknown:
-            raise ValueError(f"unknown module roles {sorted(unknown)}; roles are {MODULE_ROLES}")
-
-
-@dataclass(frozen=True)
-class SequenceParallelPlan:
-    """How a family's DiT splits across the devices of one replica (Ulysses sequence parallel,
-    omni_common/runtime/sequence_parallel.py): the image tokens are split across the ranks, the
-    text tokens are replicated, and attention exchanges heads for tokens around its core.
-
-    Every name is declarative, so the next family adds a plan, not a fork of the runtime: the
-    DiT module, the forward keyword arguments that hold its image tokens [B, N, C] (split on
-    dim 1; its output, element 0 of the returned tuple, is gathered on dim 1) and its text tokens
-    [B, L, C] (replicated), the submodule whose output element `rotary_output` holds per-image-token
-    rotary embeddings (split on dim 0), the attention function its attention processors call
-    with joint query/key/value [B, S, H, D] (text tokens first, then image tokens) as
-    "module:function", and the config key of its head count."""
-
-    module: str
-    tokens: str
-    text: str
-    rotary: str
-    rotary_output: int
-    attention: str
-    heads: str
 
 
 def input_audio_name(index: int) -> str:
