@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -217,11 +217,9 @@ class BatchRunner(Protocol):
 
 class StepRunner(Protocol):
     """Step-wise work, so a scheduler can interleave requests between steps: a denoising
-    loop (one transformer forward + scheduler step) or token generation (one token).
-
-    Optional: `idle_work() -> bool` does one short unit of work ahead (e.g. a CUDA graph of a
-    common shape) while no request is here, False when nothing is left, and
-    `idle_work_left() -> int` says how many units remain (the scheduler calls them)."""
+    loop (one transformer forward + scheduler step) or token generation (one token). What a
+    step runner may do beyond this (stream, work while idle, take adapters...) is named in
+    capabilities.py."""
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> StepState:
         """Everything before the first step (noise and timesteps; a prefill)."""
@@ -267,41 +265,6 @@ class StepRunner(Protocol):
     def release(self, state: StepState) -> None:
         """Free what a state holds on the runner (a KV-cache slot) when it leaves unfinished:
         cancelled, expired or failed. Idempotent; nothing to do for most runners."""
-        ...
-
-    def forget_cuda_graphs(self) -> None:
-        """Drop captured CUDA graphs: they hold the weights' device addresses, which a sleep
-        frees (later steps capture them again). Nothing to do without graphs."""
-        ...
-
-
-@runtime_checkable
-class SupportsPrefixCache(Protocol):
-    """A generator that keeps its prompts' prefix KV for later prompts (prefix_cache.py);
-    the stage's metrics read its counters."""
-
-    def prefix_stats(self) -> Any:
-        """A prefix_cache.PrefixStats."""
-        ...
-
-
-class StreamingRunner(StepRunner, Protocol):
-    """A StepRunner whose requests stream: outputs leave in chunks while the request runs
-    (`take_partial`), and, for a plan step with `streamed` inputs, inputs arrive in chunks
-    (`feed`); a state steps only when `ready` (it has the input its next step needs).
-    The first input chunk comes with `prepare`."""
-
-    def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
-        """Add the next input chunk (in order); `end`: no more will come."""
-        ...
-
-    def ready(self, state: StepState) -> bool:
-        """Whether the next step of `state` has its input."""
-        ...
-
-    def take_partial(self, state: StepState) -> StageState | None:
-        """The output made since the last call, as the next chunk; None when there is none.
-        Called after every step; a finished state's last chunk is taken before `finish`."""
         ...
 
 
@@ -359,7 +322,7 @@ class PlanStep:
     resumable: bool = False
     cache_key: str = ""
     # Consumed tensors that arrive as a stream of chunks (partial outputs of their producer,
-    # a StreamingRunner): the step starts with the first chunk instead of the whole output.
+    # a capabilities.StreamingRunner): the step starts with the first chunk, not the whole output.
     streamed: tuple[str, ...] = ()
 
 

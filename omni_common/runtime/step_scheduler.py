@@ -12,7 +12,7 @@ Serving the oldest job's group first keeps it first come, first served: a reques
 at most for the requests that arrived before it, never for a stream of later ones.
 A step that fails is retried job by job, so one bad request fails alone.
 
-A streaming runner (omni_common.models.base.StreamingRunner) also sends each job's output
+A streaming runner (omni_common.models.capabilities.StreamingRunner) also sends each job's output
 in chunks as it is made (a progress event carrying the chunk after the step that made it), and
 takes a streaming call's later input chunks from its inbox between steps; a job steps only when
 it is `ready` (its next step's input has arrived), so a waiting job never holds up others, and
@@ -44,7 +44,8 @@ import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, Unavailable
 from omni_common.imaging import to_png
-from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
+from omni_common.models.base import StageState, StepRunner, StepState
+from omni_common.models.capabilities import HasIdleWork, StreamingRunner
 from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
 
@@ -118,7 +119,7 @@ class StepTotals:
     steps: int = 0
     device_s: float = 0.0
     idle_s: float = 0.0
-    idle_work_left: int = 0  # units of the runner's idle work still to do (idle_work_left)
+    idle_work_left: int = 0  # units of the runner's idle work still to do (HasIdleWork)
     # A generator's prompt-prefix cache (SupportsPrefixCache): lookups that reused a prefix,
     # lookups that found none, and the bytes it holds.
     prefix_hits: int = 0
@@ -159,9 +160,7 @@ class StepScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._left: list[StepState] = []  # states of jobs that left unfinished, to release
-        self.streaming: StreamingRunner | None = (
-            runner if hasattr(runner, "take_partial") else None  # type: ignore[assignment]
-        )
+        self.streaming: StreamingRunner | None = runner if isinstance(runner, StreamingRunner) else None
         # Device events time the steps on a GPU; `overlap` defaults to on there (see above).
         self.timed = device is not None and device.type == "cuda"
         self.overlap = (self.timed if overlap is None else overlap) and self.streaming is None
@@ -290,14 +289,14 @@ class StepScheduler:
                     await asyncio.wait_for(self._wake.wait(), IDLE_CHECK_S)
 
     async def _idle_work(self) -> bool:
-        """One unit of the runner's idle work (its optional `idle_work`, e.g. a CUDA graph of a
-        common shape captured ahead) while no request is here or being admitted; True when it
-        did some. A request that arrives meanwhile waits for that one unit at most."""
-        idle = getattr(self.runner, "idle_work", None)
-        if idle is None or self.jobs or self._admitting or not self._idle_ok:
+        """One unit of the runner's idle work (HasIdleWork: e.g. a CUDA graph of a common shape
+        captured ahead) while no request is here or being admitted; True when it did some. A
+        request that arrives meanwhile waits for that one unit at most."""
+        runner = self.runner
+        if not isinstance(runner, HasIdleWork) or self.jobs or self._admitting or not self._idle_ok:
             return False
         try:
-            done = bool(await self.compute(idle))
+            done = bool(await self.compute(runner.idle_work))
         except Exception:
             log.exception("%s: idle work failed; no more of it", self.name)
             self._idle_ok = False
@@ -306,8 +305,8 @@ class StepScheduler:
         return done
 
     def _count_idle_work(self) -> None:
-        left = getattr(self.runner, "idle_work_left", None)
-        self.totals.idle_work_left = left() if left is not None else 0
+        runner = self.runner
+        self.totals.idle_work_left = runner.idle_work_left() if isinstance(runner, HasIdleWork) else 0
 
     async def _waited_for_company(self, batch: list[Job]) -> bool:
         """Wait when `batch` has room and has not stepped yet, while other requests are being
