@@ -25,12 +25,8 @@ import torch
 
 from omni_common.errors import FailedPrecondition, InvalidArgument
 from omni_common.models.base import GenerationRequest
-from omni_common.models.qwenimage.denoise import (
-    QwenImageDenoiser,
-    QwenImageDenoiseState,
-    forward_inputs,
-    transformer_forward,
-)
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser, QwenImageDenoiseState
+from omni_common.models.qwenimage.execution import forward_inputs, transformer_forward
 from omni_common.models.qwenimage.family import QwenImageFamily
 from omni_common.models.qwenimage.step_cache import StepCache, cached_forward
 from omni_common.runtime.layerwise_offload import LayerwiseOffload
