@@ -23,8 +23,8 @@ from omni_common.limits import (  # noqa: F401  (re-exported: callers import the
     MAX_STEPS,
 )
 from omni_common.models.base import ChatTurn, GenerationRequest, ImageInput, ModelCard, OptionSpec
-from omni_common.models.lora import NAME_PATTERN as LORA_NAME
-from omni_common.models.lora import check_scale
+from omni_common.models.lora_files import NAME_PATTERN as LORA_NAME
+from omni_common.models.lora_files import check_scale
 from omnistage.v1 import stage_pb2
 
 MAX_MESSAGES = 256

@@ -32,7 +32,8 @@ from omni_common.models.base import (
     StageState,
 )
 from omni_common.models.capabilities import CachesFromWeights, HoldsCudaGraphs, TakesLoras
-from omni_common.models.lora import LoraInfo, LoraLayers, check_name
+from omni_common.models.lora import LoraInfo, LoraLayers
+from omni_common.models.lora_files import check_name
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
