@@ -37,6 +37,13 @@ DEFAULT_CFG = 4.0
 DEFAULT_SEQUENCE_LENGTH = 512
 
 
+def check_multiple(side: str, value: int, multiple: int) -> None:
+    """An output side (`side` names it: "width", "height") that is a multiple of `multiple`:
+    16 for every model, more for a family whose grid is coarser (its card's size_multiple)."""
+    if value % multiple:
+        raise InvalidArgument(f"{side} is {value}; it must be a multiple of {multiple}")
+
+
 def check_request_id(request_id: str) -> str:
     if not REQUEST_ID.match(request_id):
         raise InvalidArgument("request_id must be 1-128 characters of letters, digits, '.', '_', '-'")
@@ -122,8 +129,7 @@ def to_request(
         value = getattr(params, name)
         if value < 16 or value > MAX_SIDE:
             raise InvalidArgument(f"{name} is {value}; it must be in [16, {MAX_SIDE}]")
-        if value % 16:
-            raise InvalidArgument(f"{name} is {value}; it must be a multiple of 16")
+        check_multiple(name, value, 16)
     pixels = params.width * params.height
     if pixels > max_pixels:
         raise ResourceExhausted(
