@@ -136,7 +136,7 @@ def local_plan(
     for spec in specs:
         argv = [local_path(arg, spec.volumes) for arg in spec.command]
         if argv and argv[0] == "omnistage":
-            argv = [sys.executable, "-m", "omnistage.cli", *argv[1:]]
+            argv = [sys.executable, "-m", "omnistage_cli", *argv[1:]]
         environment = {k: localise(v, spec.volumes) for k, v in spec.environment.items()}
         for i in range(scale.get(spec.name, spec.replicas)):
             if i == 0:
@@ -416,7 +416,7 @@ def loopback_plan(
 ) -> list[LocalProcess]:
     """A coordinator, then stage replicas that register with it, on free loopback ports
     (tests, benchmarks). `replicas` sets a stage's count (default 1 each)."""
-    cli = [sys.executable, "-m", "omnistage.cli", "serve"]
+    cli = [sys.executable, "-m", "omnistage_cli", "serve"]
     common = dict(extra_env or {})
     port = free_port()
     coordinator = f"{LOOPBACK}:{port}"
@@ -453,5 +453,5 @@ def stage_process(
         "OMNISTAGE_PORT": str(port),
         "OMNISTAGE_COORDINATOR": coordinator,
     }
-    cli = [sys.executable, "-m", "omnistage.cli", "serve", stage]
+    cli = [sys.executable, "-m", "omnistage_cli", "serve", stage]
     return LocalProcess(name or stage, cli, env, f"{LOOPBACK}:{port}")
