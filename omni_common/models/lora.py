@@ -168,8 +168,8 @@ class LoraLayers:
         self.adapters: dict[str, LoraAdapter] = {}
         self.names: tuple[str, ...] = ()  # snapshot for other threads (StageInfo)
         self._rows: list[RowAdapters] | None = None
-        # Rows of one forward by adapter position (Slot), None when all rows match.
-        self._slots: list[Slot] | None = None
+        # Rows of one forward by adapter position (AdapterPosition), None when all rows match.
+        self._slots: list[AdapterPosition] | None = None
         # Per adapted module: the stacked factors of the last slot composition seen (a batch's
         # composition repeats step after step).
         self._stacks: dict[str, tuple[tuple[object, ...], Stacked]] = {}
@@ -271,11 +271,12 @@ class LoraLayers:
         self._rows = list(rows) if any(rows) else None
         self._slots = None
         if self._rows is not None and any(row != rows[0] for row in rows):
-            # Slot j: the rows with a j-th adapter, and that adapter and its weight for each.
+            # Position j: the rows with a j-th adapter, and that adapter and its weight for each.
             slots = []
             for j in range(max(len(row) for row in rows)):
                 members = [(i, row[j]) for i, row in enumerate(rows) if len(row) > j]
-                slots.append(Slot(tuple(i for i, _ in members), tuple(member for _, member in members)))
+                rows_j, adapters_j = tuple(i for i, _ in members), tuple(member for _, member in members)
+                slots.append(AdapterPosition(rows_j, adapters_j))
             self._slots = slots
         try:
             yield
@@ -481,7 +482,7 @@ class LoraLayers:
             result.index_add_(0, index, term.reshape(*part.shape[:-1], term.shape[-1]))
         return result
 
-    def _stacked(self, path: str, number: int, slot: Slot) -> Stacked | None:
+    def _stacked(self, path: str, number: int, slot: AdapterPosition) -> Stacked | None:
         """(row index, lora_A [n, r, in], lora_B [n, out, r], scaling [n, 1, 1]) of the slot's
         rows whose adapter adapts `path`; None when none does. Kept while the batch's
         composition repeats (step after step), so a step makes no new device tensors."""
@@ -514,7 +515,7 @@ class LoraLayers:
 
 
 @dataclass(frozen=True)
-class Slot:
+class AdapterPosition:
     """The rows of a mixed batch that have an adapter at one position of their list (their
     first, second, ...), in row order, and that adapter with its weight for each."""
 

@@ -31,6 +31,7 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
+from omni_common.models.capabilities import CachesFromWeights, HoldsCudaGraphs, TakesLoras
 from omni_common.models.lora import LoraInfo, LoraLayers, check_name
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
@@ -43,8 +44,8 @@ from omni_common.runtime.hot_reload import (
     read_weights,
     weight_shapes,
 )
+from omni_common.runtime.layerwise_offload import LayerwiseOffload
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
-from omni_common.runtime.offload import LayerwiseOffload
 from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
 from omni_common.runtime.step_scheduler import StepTotals
@@ -212,20 +213,18 @@ class Worker:
         return model
 
     def _copy_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> WeightsLoaded:
-        """copy_weights, then each runner drops what it computed from the old values (a
-        runner's optional `weights_changed`), before any later step runs."""
+        """copy_weights, then each runner drops what it computed from the old values
+        (CachesFromWeights), before any later step runs."""
         done = copy_weights(pairs)
         for runner in self.model.runners.values():
-            changed = getattr(runner, "weights_changed", None)
-            if changed is not None:
-                changed()
+            if isinstance(runner, CachesFromWeights):
+                runner.weights_changed()
         return done
 
     def _forget_cuda_graphs(self) -> None:
         for runner in self.model.runners.values():
-            forget = getattr(runner, "forget_cuda_graphs", None)  # runners with graphs have it
-            if forget is not None:
-                forget()
+            if isinstance(runner, HoldsCudaGraphs):
+                runner.forget_cuda_graphs()
 
     def load(self) -> int:
         """The stage's load signal for routing: the sum of its roles' work."""
@@ -251,7 +250,7 @@ class Worker:
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
         handler = self.handler(call.role)
-        if call.inbox is not None and not getattr(handler, "streams", False):
+        if call.inbox is not None and not handler.streams:
             raise InvalidArgument(f"role {call.role or self.roles[0]!r} does not take streamed inputs")
         if call.request.loras:
             await self.preload_loras([name for name, _ in call.request.loras])
@@ -343,9 +342,8 @@ class Worker:
     def lora_layers(self) -> LoraLayers:
         """The adapters of the runner that takes them; UNIMPLEMENTED when none does."""
         for runner in self.model.runners.values():
-            layers = getattr(runner, "loras", None)
-            if isinstance(layers, LoraLayers):
-                return layers
+            if isinstance(runner, TakesLoras):
+                return runner.loras
         raise Unimplemented(f"this {self.stage} replica's model ({self.family.name}) takes no LoRA adapters")
 
     def lora_names(self) -> list[str]:

@@ -20,15 +20,14 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
-    ModuleDeclaration,
     Plan,
     PlanStep,
     RoleSpec,
-    SequenceParallelPlan,
     StageContext,
     StageModel,
     input_image_name,
 )
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.validation import check_options
 
 # The AR model works on a 32-pixel token grid (upsampled 2x for the DiT's 16-pixel patches), so

@@ -33,7 +33,7 @@ from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.execution.compile_cache import compile_cache_is_warm
 from omni_common.execution.cuda_graphs import Inputs
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
-from omni_common.models.latents import LatentState, LatentSteps, latent_preview, to_device
+from omni_common.models.latent_steps import LatentState, LatentSteps, latent_preview, to_device
 from omni_common.models.lora import LoraLayers, RowAdapters
 from omni_common.models.qwenimage.epilogue import fuse_gelu_epilogue
 from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes

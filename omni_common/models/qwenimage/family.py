@@ -10,15 +10,14 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
-    ModuleDeclaration,
     OptionSpec,
     Plan,
     PlanStep,
     RoleSpec,
-    SequenceParallelPlan,
     StageContext,
     StageModel,
 )
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwenimage.prompt_template import TOKENIZER_MAX_LENGTH
 from omni_common.validation import check_options
 

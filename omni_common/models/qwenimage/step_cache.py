@@ -75,7 +75,7 @@ def check_cacheable(transformer: QwenImageTransformer2DModel) -> None:
 
     zero_cond_t models (the edit variants) double the timestep embedding and modulate per
     token; the cached forward takes one embedding per row. Layerwise offload
-    (omni_common/runtime/offload.py) fetches block i + 1 in block i's pre-hook and expects
+    (omni_common/runtime/layerwise_offload.py) fetches block i + 1 in block i's pre-hook and expects
     the blocks to run round in a cycle: a step that stops after block 0 leaves block 1 in a
     slot that the next step's fetches overwrite while it is still to run (seen on the tiny
     model: latents off by 5e-2). Its hooks are the only forward hooks on the blocks (torch
