@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from omni_common.client import Client
-from omni_common.cluster import LOOPBACK, LocalCluster, free_port, loopback_plan
+from omni_common.cluster import LocalCluster, free_port, loopback_plan
+from omni_common.compose import LOOPBACK
 from omni_common.health import check_health
 from omni_common.models.qwenimage.vllm_encoder import vllm_available
 

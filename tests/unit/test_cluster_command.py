@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.cluster import is_stage, load_compose, local_plan
+from omni_common.cluster import is_stage
+from omni_common.compose import load_compose, local_plan
 from omnistage_cli.cluster_command import ready_line, with_model
 from omnistage_cli.main import build_parser
 
