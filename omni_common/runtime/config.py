@@ -88,6 +88,8 @@ class StageConfig:
     # dit-denoise: the devices one replica spreads each step over, one worker process each
     # (cuda:0,cuda:1 or cpu,cpu); () = one device, in this process (`device`).
     devices: tuple[str, ...] = ()
+    # dit-denoise: "fp8" runs the DiT's block products in FP8 (DenoiserOptions.quantization).
+    quantization: str = "none"
 
     @property
     def bind_address(self) -> str:
@@ -327,6 +329,14 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         "out of it; outside reads as missing); empty: any file this process can read",
     )
     parser.add_argument(
+        "--quantization",
+        default=env("QUANTIZATION", "none"),
+        choices=("none", "fp8"),
+        help="dit-denoise: fp8 runs the DiT blocks' attention and feed-forward products in FP8 "
+        "(float8_e4m3fn, per-token and per-channel scales; a GPU of compute capability 8.9+ or the "
+        "CPU): faster, not exact. Families that offer it: Qwen-Image",
+    )
+    parser.add_argument(
         "--profile-dir",
         default=env("PROFILE_DIR", ""),
         help="where `omnistage profile` traces of this replica go, owner-only (default: "
@@ -392,6 +402,7 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         profile_max_mb=args.profile_max_mb,
         control_root=args.control_root,
         devices=devices,
+        quantization=args.quantization,
     )
 
 
