@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # The smallest amax a row is scaled by: a row of zeros then quantises to zeros, not NaN.
 MIN_AMAX = 1e-12
@@ -68,7 +69,8 @@ def to_float8(linear: nn.Linear) -> Float8Linear:
     q, scale = quantize_rows(linear.weight)
     linear.weight = nn.Parameter(q, requires_grad=False)
     linear.__class__ = Float8Linear
-    linear.register_buffer("weight_scale", scale.t().contiguous())
+    # Not in the state dict: weight pushes name the model's weights, and refuse FP8 ones.
+    linear.register_buffer("weight_scale", scale.t().contiguous(), persistent=False)
     return linear  # type: ignore[return-value]
 
 

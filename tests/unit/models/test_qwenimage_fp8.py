@@ -24,6 +24,7 @@ from omni_common.models.glm_image.family import GlmImageFamily
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
 from omni_common.models.qwenimage.fp8 import quantize_blocks
 from omni_common.runtime.config import StageConfig, add_stage_args, stage_config
+from omni_common.runtime.hot_reload import planned_copies
 from services.dit_denoise.worker import DenoiseWorker
 
 from .conftest import CPU
@@ -124,3 +125,15 @@ def test_the_flag_reaches_the_denoiser(tiny_model: Path, monkeypatch: pytest.Mon
         assert isinstance(block.attn.to_q, Float8Linear)
     finally:
         worker.close()
+
+
+def test_weight_pushes_to_fp8_layers_are_refused_and_the_rest_still_load(tiny_model: Path) -> None:
+    denoiser = load(tiny_model, "fp8")
+    modules = [("transformer", denoiser.transformer)]
+    to_q = denoiser.transformer.transformer_blocks[0].attn.to_q
+    push = {"transformer_blocks.0.attn.to_q.weight": torch.zeros(to_q.weight.shape)}
+    with pytest.raises(FailedPrecondition, match=r"quantised to FP8 here \(--quantization fp8\)"):
+        planned_copies(modules, push)
+    assert "transformer_blocks.0.attn.to_q.weight_scale" not in denoiser.transformer.state_dict()
+    kept = {"proj_out.weight": torch.zeros(denoiser.transformer.proj_out.weight.shape)}
+    assert len(planned_copies(modules, kept)) == 1
