@@ -25,9 +25,10 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from omni_common.errors import Unimplemented
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
+from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGES
 
-STAGE_TYPES = ("ar-encoder", "dit-denoise", "vae-decode")
 RunnerKind = Literal["batch", "steps", "async"]
 # Where a plan step reads the request's own inputs: "input.image.0", "input.image.1", ...
 INPUT_PREFIX = "input."
@@ -118,7 +119,7 @@ class DenoiserOptions:
     cuda_graphs: bool = False
     # (width, height) sizes whose graphs are captured at load, for every batch up to max_batch.
     capture_sizes: tuple[tuple[int, int], ...] = ()
-    max_batch: int = 8
+    max_batch: int = MAX_BATCH
     # A diffusers attention backend ("_native_cudnn", "_native_flash", ...); "" keeps the default.
     attention_backend: str = ""
     # torch.compile the transformer's repeated blocks.
@@ -137,6 +138,10 @@ class DenoiserOptions:
     # compiled, and load the rest of the warm-up while idle (warmup.py): only where a
     # scheduler calls the runner's idle_work (a one-device replica).
     defer_warm_up: bool = False
+    # "fp8": the DiT's block products in float8_e4m3fn, per-row activation and per-channel
+    # weight scales (qwenimage/fp8.py); "none": the model dtype. Families that offer it list it in
+    # ModelCard.quantizations.
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -153,8 +158,8 @@ class StageContext:
     vllm_memory_fraction: float = 0.1
     # Async runners that batch by themselves: the batch window, sizes and queue bound.
     batch_window_s: float = 0.0
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: int = MAX_BATCH
+    max_queue: int = MAX_QUEUE
     # Output caches of roles that keep one (e.g. prompt embeddings), in bytes; 0 = off.
     cache_bytes: int = 0
     cache_bypass: bool = False
@@ -296,7 +301,7 @@ class RoleSpec:
     """A model role: a kind of call a family's stage model can serve."""
 
     name: str  # e.g. "text-encoder", "prior", "denoise", "vae-decode"
-    stage: str  # the stage type that serves it (STAGE_TYPES)
+    stage: str  # the stage type that serves it (omni_common/stages.py)
     kind: RunnerKind
     description: str = ""
 
@@ -338,7 +343,7 @@ class Plan:
         produced: set[str] = set()
         names: set[str] = set()
         for step in self.steps:
-            if step.stage not in STAGE_TYPES:
+            if step.stage not in STAGES:
                 raise ValueError(f"plan step {step.name!r}: unknown stage {step.stage!r}")
             if step.name in names:
                 raise ValueError(f"plan step {step.name!r} appears twice")
@@ -396,6 +401,14 @@ class ModelCard:
     size_multiple: int = 16
     # Whether requests may name LoRA adapters of the model's DiT (GenerationParams.loras).
     loras: bool = False
+    # The --quantization modes its DiT offers (DenoiserOptions.quantization), e.g. ("fp8",).
+    quantizations: tuple[str, ...] = ()
+
+    def check_quantization(self, family: str, mode: str) -> None:
+        """UNIMPLEMENTED for a --quantization mode this family's DiT does not offer."""
+        if mode != "none" and mode not in self.quantizations:
+            offered = ", ".join(self.quantizations) or "none"
+            raise Unimplemented(f"{family} offers no --quantization {mode} (offered: {offered})")
 
 
 class ModelFamily(Protocol):

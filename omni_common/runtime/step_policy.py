@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from omni_common.stages import MAX_BATCH
+
 # A batch of requests that have not stepped yet waits at most this long (from the first one's
 # admission) for requests still being admitted: joining a step later, each would make every
 # request ahead of it pay one more forward (4 requests sent together: 3 forwards for 3 steps,
@@ -35,7 +37,7 @@ FOLLOWERS_WAIT_S = 0.2
 class StepLimits:
     """A step scheduler's bounds and waits."""
 
-    max_batch: int = 8  # requests per step
+    max_batch: int = MAX_BATCH  # requests per step
     max_tokens: int = 65536  # compute units per step (the runner's step_cost)
     # --batch-window-ms: a batch of new requests waits this long for company even when none is
     # being admitted (requests that reach the stage in waves: throughput for latency).

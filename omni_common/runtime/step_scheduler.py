@@ -46,6 +46,7 @@ from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
 from omni_common.runtime.step_jobs import Event, Job, Launched, advance, joined, log_steps, preview_png
 from omni_common.runtime.step_policy import ADMIT_WAIT_S, Queued, StepLimits, StepPlan, plan_step
+from omni_common.stages import MAX_BATCH, MAX_QUEUE
 
 log = logging.getLogger("omnistage.steps")
 IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are checked
@@ -76,9 +77,9 @@ class StepScheduler:
         runner: StepRunner,
         compute: Compute,
         *,
-        max_batch: int = 8,
+        max_batch: int = MAX_BATCH,
         max_tokens: int = 65536,
-        max_queue: int = 64,
+        max_queue: int = MAX_QUEUE,
         name: str = "dit-denoise",
         device: torch.device | None = None,
         overlap: bool | None = None,

@@ -20,6 +20,7 @@ from omni_common.execution.cuda_graphs import Inputs
 from omni_common.models.base import DenoiserOptions
 from omni_common.models.lora import LoraLayers
 from omni_common.models.qwenimage.epilogue import fuse_gelu_epilogue
+from omni_common.models.qwenimage.fp8 import quantize_blocks
 from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
 from omni_common.models.qwenimage.modulation import ModulationCache
 from omni_common.models.qwenimage.rotary import use_real_rotary
@@ -86,6 +87,8 @@ class TransformerExecution:
         self.devices = options.devices
         if options.attention_backend:
             self.transformer.set_attention_backend(options.attention_backend)
+        if options.quantization != "none":  # before compiling: the compiled blocks take the FP8 layers
+            quantize_blocks(self.transformer, self.device, options.quantization)
         if options.compile and options.devices == 1:
             # The rewrites of the forward that compiling pays for (same math, other rounding:
             # the CPU's eager path stays diffusers' bit for bit).

@@ -86,7 +86,12 @@ class QwenImageFamily:
 
     name = "qwenimage"
     card = ModelCard(
-        inputs=("text",), outputs=("image",), options=OPTIONS, size_multiple=SIZE_MULTIPLE, loras=True
+        inputs=("text",),
+        outputs=("image",),
+        options=OPTIONS,
+        size_multiple=SIZE_MULTIPLE,
+        loras=True,
+        quantizations=("fp8",),
     )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES

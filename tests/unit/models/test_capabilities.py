@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from omni_common.models import capabilities
-from omni_common.models.base import STAGE_TYPES, StageContext
+from omni_common.models.base import StageContext
 from omni_common.models.qwen_omni.family import QwenOmniFamily
+from omni_common.stages import STAGES
 
 CPU = torch.device("cpu")
 CAPABILITIES = [
@@ -56,7 +57,7 @@ def test_the_qwen_omni_roles_stream_and_the_thinker_keeps_a_prefix_cache(omni_mo
     context = StageContext(device=CPU, dtype=torch.float32)
     runners = {
         role: runner
-        for stage in STAGE_TYPES
+        for stage in STAGES
         for role, runner in family.load(stage, omni_model, context).runners.items()
     }
     assert set(runners) == {"thinker", "talker", "token2wav", "vocoder"}
