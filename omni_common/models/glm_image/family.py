@@ -32,8 +32,7 @@ from omni_common.validation import check_multiple, check_options
 
 # The AR model works on a 32-pixel token grid (upsampled 2x for the DiT's 16-pixel patches), so
 # output sizes, and condition images (whose tokens must fill the DiT's grid), are multiples of 32.
-AR_PATCH = 32  # pixels per AR image token; the DiT's grid is twice as fine
-SIZE_MULTIPLE = AR_PATCH
+SIZE_MULTIPLE = 32
 MAX_IMAGES = 4
 DEFAULT_GUIDANCE = 1.5  # the pipeline's guidance_scale
 

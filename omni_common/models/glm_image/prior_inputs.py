@@ -14,7 +14,8 @@ from transformers import BatchFeature, GlmImageForConditionalGeneration, GlmImag
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image, input_image_bytes
 from omni_common.models.base import GenerationRequest, StageState
-from omni_common.models.glm_image.family import AR_PATCH
+
+AR_PATCH = 32  # pixels per AR image token; the DiT's grid is twice as fine
 
 
 def condition_images(request: GenerationRequest, inputs: StageState) -> list[Image.Image]:
