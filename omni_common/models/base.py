@@ -256,7 +256,8 @@ class StepRunner(Protocol):
 
     def checkpoint(self, state: StepState) -> StageState | None:
         """What another replica needs to continue `state` (with the same request); None when
-        the runner does not resume (the step then restarts from the beginning)."""
+        the runner does not resume (the step then restarts from the beginning), or has nothing
+        new since its latest checkpoint (which then holds, e.g. token2wav between windows)."""
         ...
 
     def restore(self, state: StepState, checkpoint: StageState) -> None:
