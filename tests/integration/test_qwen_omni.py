@@ -18,21 +18,25 @@ import pytest
 
 from omni_common.chat import SpeechChunk, TextDelta, chat_request
 from omni_common.client import Client
+from omni_common.cluster import free_port
 from omni_common.errors import Cancelled, InvalidArgument
 from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.net.rpc import sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage_cli import main as cli
-from tests.integration.conftest import InProcessCluster
+from tests.integration.conftest import InProcessCluster, scrape
 
 PROMPT = "Tell me a short story."
 CAPS = {"max_new_tokens": 16, "talker_max_new_tokens": 60}
 
 
+ENCODER_METRICS = free_port()
+
+
 @pytest.fixture(scope="module")
 def omni(omni_model: Path) -> Iterator[InProcessCluster]:
-    running = InProcessCluster(omni_model)
+    running = InProcessCluster(omni_model, stage_options={"ar-encoder": {"metrics_port": ENCODER_METRICS}})
     running.start()
     yield running
     running.stop()
@@ -94,6 +98,28 @@ def test_each_step_streams_into_the_next_and_audio_comes_before_the_end(omni: In
     assert streamed[-1].result.audio_samples == len(audio) == len(one_shot.audio)
     assert float(np.abs(audio - one_shot.audio).max()) < 1e-5  # windowed flow matching (docs/families.md)
     assert streamed[-1].result.text == one_shot.text
+
+
+def talker_feeds() -> float:
+    key = ("omnistage_stage_feeds_total", frozenset({"stage": "ar-encoder", "role": "talker"}.items()))
+    return scrape(ENCODER_METRICS).get(key, 0.0)
+
+
+def test_rows_in_groups_give_the_same_reply_in_fewer_feeds(omni: InProcessCluster) -> None:
+    """The talker is fed the thinker's first row alone (with the Run call), then a chunk per
+    `feed_tokens` tokens, then the end; text-only chunks are not fed. n tokens make n - 1 rows
+    (the last token is never fed back): n - 2 Feeds + the end with a Feed per token, against
+    ceil((n - 2) / 4) + the end in groups of 4. The reply is the same, bit for bit."""
+    replies, feeds = {}, {}
+    for k in (1, 4):
+        before = talker_feeds()
+        replies[k] = events(omni, options={"feed_tokens": k})
+        feeds[k] = talker_feeds() - before
+    text = ["".join(e.text.text for e in replies[k] if e.HasField("text")) for k in (1, 4)]
+    audio = [b"".join(e.audio.data for e in replies[k] if e.HasField("audio")) for k in (1, 4)]
+    assert text[0] == text[1] and audio[0] == audio[1] and audio[0]
+    tokens = max(e.tokens.tokens for e in replies[1] if e.HasField("tokens") and e.tokens.step == "thinker")
+    assert feeds == {1: tokens - 2 + 1, 4: -(-(tokens - 2) // 4) + 1}, tokens
 
 
 def test_pcm16_chunks_are_the_float_samples_rounded(omni: InProcessCluster) -> None:
