@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from omni_common.audio_input import wav_bytes
-from omni_common.chat import ReplyBuilder, chat_request
+from omni_common.chat import Reply, ReplyBuilder, chat_request
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError
@@ -125,7 +125,7 @@ PODS = {
 class FailoverCluster:
     cluster: LocalCluster
     pods: dict[str, Path]  # replica name -> its shared-memory directory
-    expected: dict[int, object]  # seed -> the uninterrupted Reply
+    expected: dict[int, Reply | OmniError]  # seed -> the uninterrupted reply
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def failover(omni_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             env |= {"OMNISTAGE_SHM_DIR": str(pods[replica]), "OMNISTAGE_ROLES": roles}
             plan.append(stage_process(stage, omni_model, coordinator, replica, env))
     with LocalCluster(plan, log_dir=root / "logs") as cluster:
-        expected: dict[int, object] = {}
+        expected: dict[int, Reply | OmniError] = {}
         for thread in speak_all(cluster.coordinator, expected, lambda _: False, threading.Semaphore(0)):
             thread.join(300)
         yield FailoverCluster(cluster, pods, expected)
@@ -153,7 +153,7 @@ def failover(omni_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def speak_all(
     address: str,
-    results: dict[int, object],
+    results: dict[int, Reply | OmniError],
     due: Callable[[cpb.GenerateEvent], bool],
     ready: threading.Semaphore,
     where: dict[int, dict[str, str]] | None = None,
@@ -206,7 +206,7 @@ def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
     and audio, the thinker's streamed rows read from the coordinator's copies, the talker and
     token2wav resumed from their checkpoints, not from the start."""
     cluster, before = failover.cluster, omnistage_segments()
-    results: dict[int, object] = {}
+    results: dict[int, Reply | OmniError] = {}
     where: dict[int, dict[str, str]] = {}
     ready = threading.Semaphore(0)
     threads = speak_all(cluster.coordinator, results, KILL_WHEN[victim], ready, where)
@@ -224,10 +224,10 @@ def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
     log = (cluster.log_dir / "coordinator.log").read_text()
     for seed in SEEDS:
         got, want = results[seed], failover.expected[seed]
-        assert not isinstance(got, OmniError), (seed, got)
-        assert got.text == want.text  # type: ignore[union-attr]
+        assert not isinstance(got, OmniError) and not isinstance(want, OmniError), (seed, got, want)
+        assert got.text == want.text
         # Batches differ between an uninterrupted and a resumed run: float rounding.
-        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-5)  # type: ignore[union-attr]
+        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-5)
     moved = [line for line in log.splitlines() if f"replica {address} " in line and "moving on" in line]
     assert moved, "no reply failed over"
     if victim != "thinker":

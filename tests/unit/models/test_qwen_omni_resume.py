@@ -130,9 +130,9 @@ def test_bad_checkpoints_are_invalid(models: tuple[Thinker, Talker, Token2Wav]) 
         with pytest.raises(InvalidArgument, match=match):
             talker.restore(state, bad)
         talker.release(state)
-    state = token2wav.prepare(gen, StageState({}))
+    window = token2wav.prepare(gen, StageState({}))
     with pytest.raises(InvalidArgument, match="frames_done"):
-        token2wav.restore(state, StageState({}, {"frames_done": "-1"}))
+        token2wav.restore(window, StageState({}, {"frames_done": "-1"}))
     assert not talker.slots.active
 
 

@@ -1,0 +1,63 @@
+"""Qwen2.5-Omni's talker and token2wav on a GPU (tiny fixture, float32): the talker loads there
+(its decode is eager on every device) and, given up part way and restored from its checkpoint
+on a fresh state, says the uninterrupted codes; token2wav restored from a window's checkpoint
+(a CUDA generator's state) makes the uninterrupted mel. The thinker's chunks come from the CPU,
+as a thinker replica on another device would send them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_common.models.base import StageState
+from omni_common.models.qwen_omni.talker import Talker
+from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.models.qwen_omni.token2wav import Token2Wav
+from tests.unit.models.test_qwen_omni_resume import _every, assert_same_chunks, resumed, run_until_checkpoint
+from tests.unit.models.test_qwen_omni_runners import CPU, request, run_role
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def thinker(omni_model: Path) -> Thinker:
+    return Thinker.load(omni_model, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("sampled", [0, 1])
+def test_a_talker_on_the_gpu_resumes_with_the_uninterrupted_codes(
+    thinker: Thinker, omni_model: Path, sampled: int
+) -> None:
+    talker = Talker.load(omni_model, CUDA, torch.float32)
+    gen = request(seed=5, stream_audio=1, talker_do_sample=sampled)
+    (rows,) = run_role(thinker, [gen], [[]])
+    (want,) = run_role(talker, [gen], [rows])
+    before, checkpoint = run_until_checkpoint(_every(talker, 5), gen, rows, 3)
+    after = resumed(talker, gen, rows, checkpoint)
+    got = before[: int(checkpoint.meta["chunks_sent"])] + after
+    assert_same_chunks([_on_cpu(c) for c in got], [_on_cpu(c) for c in want])
+    assert not talker.slots.active
+
+
+def test_token2wav_on_the_gpu_resumes_with_the_uninterrupted_mel(thinker: Thinker, omni_model: Path) -> None:
+    talker = Talker.load(omni_model, CPU, torch.float32)
+    token2wav = Token2Wav.load(omni_model, CUDA)
+    gen = request(seed=6, stream_audio=1)
+    (rows,) = run_role(thinker, [gen], [[]])
+    (codes,) = run_role(talker, [gen], [rows])
+    (want,) = run_role(token2wav, [gen], [codes])
+    before, checkpoint = run_until_checkpoint(token2wav, gen, codes, at=2)
+    assert checkpoint.tensors["generator"].numel() == torch.Generator(CUDA).get_state().numel()
+    got = before + resumed(token2wav, gen, codes, checkpoint)
+    assert_same_chunks([_on_cpu(c) for c in got], [_on_cpu(c) for c in want])
+
+
+def _on_cpu(chunk: StageState) -> StageState:
+    return StageState({name: t.cpu() for name, t in chunk.tensors.items()}, chunk.meta)
