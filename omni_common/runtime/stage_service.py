@@ -25,6 +25,7 @@ from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, Omni
 from omni_common.imaging import input_images
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.models.model_defaults import ModelDefaults
+from omni_common.models.validation import check_request_id, to_request
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.feeds import Chunk, Feeds, Inbox
@@ -35,7 +36,6 @@ from omni_common.runtime.serve import advertised_address, serve
 from omni_common.runtime.stage_control import ControlledWorker, StageControlServicer
 from omni_common.runtime.step_scheduler import StepTotals
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
-from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.stage")

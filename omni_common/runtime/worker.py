@@ -35,6 +35,7 @@ from omni_common.models.capabilities import CachesFromWeights, HoldsCudaGraphs, 
 from omni_common.models.lora import LoraInfo, LoraLayers, check_name
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
+from omni_common.models.validation import check_takes_loras
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.hot_reload import (
@@ -50,7 +51,6 @@ from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
 from omni_common.runtime.step_scheduler import StepTotals
 from omni_common.stages import STAGE_MODULE_ROLES
-from omni_common.validation import check_takes_loras
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")

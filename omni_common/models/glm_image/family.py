@@ -28,7 +28,7 @@ from omni_common.models.base import (
     input_image_name,
 )
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
-from omni_common.validation import check_options
+from omni_common.models.validation import check_options
 
 # The AR model works on a 32-pixel token grid (upsampled 2x for the DiT's 16-pixel patches), so
 # output sizes, and condition images (whose tokens must fill the DiT's grid), are multiples of 32.
