@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import INPUT_PREFIX, AudioInput, input_audio_name
+from omni_common.input_media import INPUT_PREFIX, AudioInput, input_audio_name
 from omnistage.v1 import coordinator_pb2 as cpb
 
 MAX_AUDIO_SECONDS = 600  # the server's limit on one clip, whatever the model takes

@@ -28,7 +28,8 @@ from omni_common.errors import (
     abort,
 )
 from omni_common.imaging import inspect_image
-from omni_common.models.base import INPUT_PREFIX, Plan, input_audio_name, input_image_name
+from omni_common.input_media import INPUT_PREFIX, input_audio_name, input_image_name
+from omni_common.models.base import Plan
 from omni_common.models.registry import find_family
 from omni_common.models.validation import (
     check_media_parts,

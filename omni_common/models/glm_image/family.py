@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument
+from omni_common.input_media import input_image_name
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
@@ -25,7 +26,6 @@ from omni_common.models.base import (
     RoleSpec,
     StageContext,
     StageModel,
-    input_image_name,
 )
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.validation import check_options

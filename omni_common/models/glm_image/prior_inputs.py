@@ -13,7 +13,8 @@ from transformers import BatchFeature, GlmImageForConditionalGeneration, GlmImag
 
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image
-from omni_common.models.base import GenerationRequest, StageState, input_image_name
+from omni_common.input_media import input_image_name
+from omni_common.models.base import GenerationRequest, StageState
 
 AR_PATCH = 32  # pixels per AR image token; the DiT's grid is twice as fine
 

@@ -24,7 +24,8 @@ from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
 
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image
-from omni_common.models.base import BatchRunner, GenerationRequest, RoleCall, StageState, input_image_name
+from omni_common.input_media import input_image_name
+from omni_common.models.base import BatchRunner, GenerationRequest, RoleCall, StageState
 from omni_common.models.weights import load_component
 
 DEFAULT_VAE_SCALE_FACTOR = 8

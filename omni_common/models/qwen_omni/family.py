@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument
+from omni_common.input_media import input_audio_name, input_image_name
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
@@ -28,8 +29,6 @@ from omni_common.models.base import (
     RoleSpec,
     StageContext,
     StageModel,
-    input_audio_name,
-    input_image_name,
 )
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwen_omni.options import OPTIONS, option_int
