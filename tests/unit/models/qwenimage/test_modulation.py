@@ -17,9 +17,9 @@ from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.modulation import ModulationCache
 from omni_common.models.qwenimage.step_cache import StepCache, cached_forward
 
-from .conftest import CPU
-from .test_qwenimage_batching import ATOL, LONG, SHORT, denoise
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_batching import ATOL, LONG, SHORT, denoise
+from .test_graphs import inputs
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ after each adapted linear layer, which is what the served hooks compute, term fo
 images are equal bit for bit on the CPU in fp32. `fuse_lora` folds `scale * B @ A` into the
 weight first, which rounds differently: allclose (measured 4.2e-7 on these images; ATOL 1e-5).
 Two requests with different adapters in one step equal their lone runs within batching's own
-tolerance (test_qwenimage_batching.py: ATOL 1e-5).
+tolerance (test_batching.py: ATOL 1e-5).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from omni_common.models.qwenimage.graphs import (
 from omni_common.models.qwenimage.warmup import WarmUp, warm_up
 from omni_common.runtime.config import parse_sizes
 
-from .conftest import CPU
+from ..conftest import CPU
 
 ATOL = 1e-5
 

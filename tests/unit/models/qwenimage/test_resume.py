@@ -5,7 +5,7 @@ follows from the request, and Qwen-Image's Euler steps draw no random numbers af
 initial noise. So a request resumed from a checkpoint continues exactly: alone in its forward,
 it ends bit for bit as the uninterrupted run (fp32 and bf16). What differs after a real
 failover is the batch: the replica it resumes on steps it together with other requests, and a
-batched forward equals a lone one only up to reduction order (test_qwenimage_batching). That
+batched forward equals a lone one only up to reduction order (tests/unit/models/test_batching.py). That
 difference, measured here, is the one any request sees between a lone and a batched run.
 """
 
@@ -66,5 +66,5 @@ def test_a_request_resumed_in_a_batch_differs_only_by_batching_rounding(split_ru
     pixels = (got_image.clamp(0, 1) * 255).round() - (expected_image.clamp(0, 1) * 255).round()
     worst_pixel = float(pixels.abs().max())
     print(f"resumed in a batch vs uninterrupted: latents {latents_diff:.3g}, 8-bit pixels {worst_pixel:g}")
-    assert latents_diff <= 1e-5  # test_qwenimage_batching's bound for a batched forward
+    assert latents_diff <= 1e-5  # test_batching.py's bound for a batched forward
     assert worst_pixel <= 1
