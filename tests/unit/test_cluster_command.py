@@ -14,7 +14,7 @@ from omnistage.cluster_command import ready_line, with_model
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compose_plan(env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def compose_plan(env: dict[str, str] | None = None):
     return local_plan(load_compose(REPO / "docker-compose.yml", env or {}), REPO)
 
 

@@ -20,13 +20,13 @@ REQUEST = GenerationRequest(prompt="a red cat", width=32, height=32, num_inferen
 OTHER = GenerationRequest(prompt="a blue dog on a mat", width=32, height=32, num_inference_steps=6, seed=6)
 
 
-def run(denoiser, states) -> None:  # type: ignore[no-untyped-def]
+def run(denoiser, states) -> None:
     while not all(denoiser.is_done(s) for s in states):
         denoiser.step([s for s in states if not denoiser.is_done(s)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_request_resumed_alone_ends_bitwise_as_the_uninterrupted_one(split_runners, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_resumed_alone_ends_bitwise_as_the_uninterrupted_one(split_runners, dtype) -> None:
     encoder, denoiser, _ = split_runners(dtype)
     [embeds] = encoder.encode([REQUEST])
     uninterrupted = denoiser.prepare(REQUEST, embeds)
@@ -44,7 +44,7 @@ def test_a_request_resumed_alone_ends_bitwise_as_the_uninterrupted_one(split_run
     assert torch.equal(denoiser.finish(resumed).tensors["latents"], expected)
 
 
-def test_a_request_resumed_in_a_batch_differs_only_by_batching_rounding(split_runners) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_resumed_in_a_batch_differs_only_by_batching_rounding(split_runners) -> None:
     encoder, denoiser, decoder = split_runners(torch.float32)
     embeds, other_embeds = encoder.encode([REQUEST, OTHER])
     uninterrupted = denoiser.prepare(REQUEST, embeds)
