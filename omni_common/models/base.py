@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from omni_common.errors import Unimplemented
 from omni_common.input_media import INPUT_PREFIX, AudioInput, ImageInput
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGES
@@ -102,6 +103,10 @@ class DenoiserOptions:
     # compiled, and load the rest of the warm-up while idle (warmup.py): only where a
     # scheduler calls the runner's idle_work (a one-device replica).
     defer_warm_up: bool = False
+    # "fp8": the DiT's block products in float8_e4m3fn, per-row activation and per-channel
+    # weight scales (qwenimage/fp8.py); "none": the model dtype. Families that offer it list it in
+    # ModelCard.quantizations.
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -361,6 +366,14 @@ class ModelCard:
     size_multiple: int = 16
     # Whether requests may name LoRA adapters of the model's DiT (GenerationParams.loras).
     loras: bool = False
+    # The --quantization modes its DiT offers (DenoiserOptions.quantization), e.g. ("fp8",).
+    quantizations: tuple[str, ...] = ()
+
+    def check_quantization(self, family: str, mode: str) -> None:
+        """UNIMPLEMENTED for a --quantization mode this family's DiT does not offer."""
+        if mode != "none" and mode not in self.quantizations:
+            offered = ", ".join(self.quantizations) or "none"
+            raise Unimplemented(f"{family} offers no --quantization {mode} (offered: {offered})")
 
 
 class ModelFamily(Protocol):

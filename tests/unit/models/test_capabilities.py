@@ -10,30 +10,25 @@ from typing import Any
 
 import torch
 
-from omni_common.models.base import STAGE_TYPES, StageContext
-from omni_common.models.capabilities import (
-    CachesFromWeights,
-    ConfiguresExecution,
-    HasIdleWork,
-    HoldsCudaGraphs,
-    SplitsCfgBranches,
-    StreamingRunner,
-    SupportsPrefixCache,
-    TakesLoras,
-)
+from omni_common.models import capabilities
+from omni_common.models.base import StageContext
 from omni_common.models.qwen_omni.family import QwenOmniFamily
+from omni_common.stages import STAGES
 
 CPU = torch.device("cpu")
-CAPABILITIES = (
-    CachesFromWeights,
-    ConfiguresExecution,
-    HasIdleWork,
-    HoldsCudaGraphs,
-    SplitsCfgBranches,
-    StreamingRunner,
-    SupportsPrefixCache,
-    TakesLoras,
-)
+CAPABILITIES = [
+    getattr(capabilities, name)
+    for name in (
+        "CachesFromWeights",
+        "ConfiguresExecution",
+        "HasIdleWork",
+        "HoldsCudaGraphs",
+        "SplitsCfgBranches",
+        "StreamingRunner",
+        "SupportsPrefixCache",
+        "TakesLoras",
+    )
+]
 
 
 def capabilities_of(runner: object) -> set[str]:
@@ -62,14 +57,14 @@ def test_the_qwen_omni_roles_stream_and_the_thinker_keeps_a_prefix_cache(omni_mo
     context = StageContext(device=CPU, dtype=torch.float32)
     runners = {
         role: runner
-        for stage in STAGE_TYPES
+        for stage in STAGES
         for role, runner in family.load(stage, omni_model, context).runners.items()
     }
     assert set(runners) == {"thinker", "talker", "token2wav", "vocoder"}
-    assert all(isinstance(runner, StreamingRunner) for runner in runners.values())
+    assert all(isinstance(runner, capabilities.StreamingRunner) for runner in runners.values())
     assert {"SupportsPrefixCache", "CachesFromWeights"} <= capabilities_of(runners["thinker"])
-    assert not any(isinstance(runner, TakesLoras) for runner in runners.values())
-    assert not any(isinstance(runner, HasIdleWork) for runner in runners.values())
+    assert not any(isinstance(runner, capabilities.TakesLoras) for runner in runners.values())
+    assert not any(isinstance(runner, capabilities.HasIdleWork) for runner in runners.values())
 
 
 class Warmer:
