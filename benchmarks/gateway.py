@@ -50,7 +50,7 @@ SPEECH_PROMPT = "Tell me a short story."
 
 def gateway_process(coordinator: str) -> LocalProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "omnistage.cli", "serve", "gateway"]
+    argv = [sys.executable, "-m", "omnistage_cli", "serve", "gateway"]
     env = {"OMNISTAGE_PORT": str(port), "OMNISTAGE_COORDINATOR": coordinator}
     return LocalProcess("gateway", argv, env, f"http://{LOOPBACK}:{port}/health")
 

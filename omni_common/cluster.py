@@ -24,6 +24,7 @@ import yaml
 
 from omni_common.errors import Unavailable
 from omni_common.net.tls import TlsSettings
+from omni_common.stages import STAGES
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 LOOPBACK = "127.0.0.1"
@@ -135,7 +136,7 @@ def local_plan(
     for spec in specs:
         argv = [local_path(arg, spec.volumes) for arg in spec.command]
         if argv and argv[0] == "omnistage":
-            argv = [sys.executable, "-m", "omnistage.cli", *argv[1:]]
+            argv = [sys.executable, "-m", "omnistage_cli", *argv[1:]]
         environment = {k: localise(v, spec.volumes) for k, v in spec.environment.items()}
         for i in range(scale.get(spec.name, spec.replicas)):
             if i == 0:
@@ -219,7 +220,7 @@ class LocalCluster:
         expected: dict[str, int] = {}
         for proc in self.plan:
             stage = proc.argv[-1] if "serve" in proc.argv else ""
-            if stage in ("ar-encoder", "dit-denoise", "vae-decode"):
+            if stage in STAGES:
                 expected[stage] = expected.get(stage, 0) + 1
         if not expected or not any(p.name == "coordinator" for p in self.plan):
             return
@@ -396,7 +397,7 @@ def _write_token(fd: int) -> None:
 
 
 def is_stage(proc: LocalProcess) -> bool:
-    return "serve" in proc.argv and proc.argv[-1] in ("ar-encoder", "dit-denoise", "vae-decode")
+    return "serve" in proc.argv and proc.argv[-1] in STAGES
 
 
 def free_port() -> int:
@@ -415,7 +416,7 @@ def loopback_plan(
 ) -> list[LocalProcess]:
     """A coordinator, then stage replicas that register with it, on free loopback ports
     (tests, benchmarks). `replicas` sets a stage's count (default 1 each)."""
-    cli = [sys.executable, "-m", "omnistage.cli", "serve"]
+    cli = [sys.executable, "-m", "omnistage_cli", "serve"]
     common = dict(extra_env or {})
     port = free_port()
     coordinator = f"{LOOPBACK}:{port}"
@@ -424,7 +425,7 @@ def loopback_plan(
             "coordinator", [*cli, "coordinator"], {**common, "OMNISTAGE_PORT": str(port)}, coordinator
         )
     ]
-    for stage in ("ar-encoder", "dit-denoise", "vae-decode"):
+    for stage in STAGES:
         for i in range((replicas or {}).get(stage, 1)):
             plan.append(
                 stage_process(
@@ -452,5 +453,5 @@ def stage_process(
         "OMNISTAGE_PORT": str(port),
         "OMNISTAGE_COORDINATOR": coordinator,
     }
-    cli = [sys.executable, "-m", "omnistage.cli", "serve", stage]
+    cli = [sys.executable, "-m", "omnistage_cli", "serve", stage]
     return LocalProcess(name or stage, cli, env, f"{LOOPBACK}:{port}")

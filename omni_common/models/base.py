@@ -25,7 +25,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-STAGE_TYPES = ("ar-encoder", "dit-denoise", "vae-decode")
+from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGES
+
 # Module roles: what sleep/wake and offload move (ModuleDeclaration), not model roles.
 MODULE_ROLES = ("dit", "encoder", "vae", "resident")
 RunnerKind = Literal["batch", "steps", "async"]
@@ -157,7 +158,7 @@ class DenoiserOptions:
     cuda_graphs: bool = False
     # (width, height) sizes whose graphs are captured at load, for every batch up to max_batch.
     capture_sizes: tuple[tuple[int, int], ...] = ()
-    max_batch: int = 8
+    max_batch: int = MAX_BATCH
     # A diffusers attention backend ("_native_cudnn", "_native_flash", ...); "" keeps the default.
     attention_backend: str = ""
     # torch.compile the transformer's repeated blocks.
@@ -192,8 +193,8 @@ class StageContext:
     vllm_memory_fraction: float = 0.1
     # Async runners that batch by themselves: the batch window, sizes and queue bound.
     batch_window_s: float = 0.0
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: int = MAX_BATCH
+    max_queue: int = MAX_QUEUE
     # Output caches of roles that keep one (e.g. prompt embeddings), in bytes; 0 = off.
     cache_bytes: int = 0
     cache_bypass: bool = False
@@ -372,7 +373,7 @@ class RoleSpec:
     """A model role: a kind of call a family's stage model can serve."""
 
     name: str  # e.g. "text-encoder", "prior", "denoise", "vae-decode"
-    stage: str  # the stage type that serves it (STAGE_TYPES)
+    stage: str  # the stage type that serves it (omni_common/stages.py)
     kind: RunnerKind
     description: str = ""
 
@@ -414,7 +415,7 @@ class Plan:
         produced: set[str] = set()
         names: set[str] = set()
         for step in self.steps:
-            if step.stage not in STAGE_TYPES:
+            if step.stage not in STAGES:
                 raise ValueError(f"plan step {step.name!r}: unknown stage {step.stage!r}")
             if step.name in names:
                 raise ValueError(f"plan step {step.name!r} appears twice")

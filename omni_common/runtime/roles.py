@@ -28,14 +28,15 @@ from omni_common.models.base import (
 )
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
+from omni_common.stages import MAX_BATCH, MAX_QUEUE
 
 
 @dataclass(frozen=True)
 class RoleLimits:
     """The stage's batching flags, as every handler of the replica applies them."""
 
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: int = MAX_BATCH
+    max_queue: int = MAX_QUEUE
     batch_window_s: float = 0.0
     max_step_cost: int = 65536  # StepScheduler: compute units per step (--max-tokens)
     max_batch_cost: int = 0  # MicroBatcher: cost units per batch, 0 = none (--max-batch-pixels)

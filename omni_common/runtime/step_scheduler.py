@@ -47,6 +47,7 @@ from omni_common.imaging import to_png
 from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
 from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
+from omni_common.stages import MAX_BATCH, MAX_QUEUE
 
 log = logging.getLogger("omnistage.steps")
 IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are checked
@@ -137,9 +138,9 @@ class StepScheduler:
         runner: StepRunner,
         compute: Compute,
         *,
-        max_batch: int = 8,
+        max_batch: int = MAX_BATCH,
         max_tokens: int = 65536,
-        max_queue: int = 64,
+        max_queue: int = MAX_QUEUE,
         name: str = "dit-denoise",
         device: torch.device | None = None,
         overlap: bool | None = None,

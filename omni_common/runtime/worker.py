@@ -48,14 +48,13 @@ from omni_common.runtime.offload import LayerwiseOffload
 from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
 from omni_common.runtime.step_scheduler import StepTotals
+from omni_common.stages import STAGE_MODULE_ROLES
 from omni_common.validation import check_takes_loras
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The module role a stage's runner holds when its family declares none.
-STAGE_ROLES = {"ar-encoder": "encoder", "dit-denoise": "dit", "vae-decode": "vae"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -120,7 +119,9 @@ class Worker:
         # The latest tensor LoadWeights gave each weight name (host memory, at most one model's
         # worth), applied again when a level-2 wake reloads the model from its directory.
         self.pushed: dict[str, torch.Tensor] = {}
-        has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
+        has_weights = bool(
+            discover_modules(self.model, self.family.modules, STAGE_MODULE_ROLES[self.stage]).by_role
+        )
         self.manage_memory(
             self.model,
             reload=(lambda: self._reload_model(context)) if has_weights else None,
@@ -206,9 +207,9 @@ class Worker:
         """The model as sleep level 2 wakes it: loaded again from its directory, then the latest
         weights LoadWeights put in (kept in host memory for this)."""
         model = self._load_model(context)
-        modules = discover_modules(model, self.family.modules, STAGE_ROLES[self.stage])
+        modules = discover_modules(model, self.family.modules, STAGE_MODULE_ROLES[self.stage])
         if self.pushed:
-            copy_weights(planned_copies(modules.by_role[STAGE_ROLES[self.stage]], self.pushed))
+            copy_weights(planned_copies(modules.by_role[STAGE_MODULE_ROLES[self.stage]], self.pushed))
         return model
 
     def _copy_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> WeightsLoaded:
@@ -270,7 +271,7 @@ class Worker:
         graphs), called once they have left the device: a wake puts them elsewhere."""
         if forget_weight_addresses is not None:
             self._forget_weight_addresses = forget_weight_addresses
-        role = STAGE_ROLES[self.stage]
+        role = STAGE_MODULE_ROLES[self.stage]
         self.modules = discover_modules(runner, self.family.modules, role)
         self.weight_bytes = self.modules.weight_bytes()
 
@@ -403,7 +404,7 @@ class Worker:
             raise FailedPrecondition(
                 "layerwise offload keeps the blocks in host memory; LoadWeights needs them resident"
             )
-        modules = self.modules.by_role.get(STAGE_ROLES[self.stage], [])
+        modules = self.modules.by_role.get(STAGE_MODULE_ROLES[self.stage], [])
         if not modules:
             raise Unimplemented(f"this {self.stage} replica declares no weights to load")
         self._check_awake()

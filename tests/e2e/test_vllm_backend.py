@@ -65,7 +65,7 @@ def test_engine_start_failure_is_a_clear_error_and_never_healthy(tiny_model: Pat
         shard.unlink()
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.cli", "serve", "ar-encoder", "--backend", "vllm"],
+        [sys.executable, "-m", "omnistage_cli", "serve", "ar-encoder", "--backend", "vllm"],
         env={
             **os.environ,
             "OMNISTAGE_MODEL": str(broken),
