@@ -38,7 +38,8 @@ import httpx
 
 from omni_common.chat import chat_request
 from omni_common.client import AsyncClient, Client, generate_request
-from omni_common.cluster import LOOPBACK, LocalCluster, LocalProcess, free_port, loopback_plan
+from omni_common.cluster import LocalCluster, free_port, loopback_plan
+from omni_common.compose import LOOPBACK, LocalProcess
 from services.gateway.protocol import LAST_STEP_ONLY
 
 REPO = Path(__file__).resolve().parents[1]

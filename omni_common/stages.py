@@ -11,7 +11,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StageType:
     """One stage type: its name (a service of docker-compose.yml and a `omnistage serve`
-    subcommand), its module role (omni_common/models/base.py's MODULE_ROLES) and its gRPC port."""
+    subcommand), its module role (omni_common/models/module_layout.py's MODULE_ROLES) and its gRPC port."""
 
     name: str
     module_role: str

@@ -221,6 +221,14 @@ class StageConfig(ServiceConfig):
         "the directory that AddLora's and LoadWeights' paths must lie in (no symlink leads "
         "out of it; outside reads as missing); empty: any file this process can read",
     )
+    # dit-denoise: "fp8" runs the DiT's block products in FP8 (DenoiserOptions.quantization).
+    quantization: str = setting(
+        "none",
+        "dit-denoise: fp8 runs the DiT blocks' attention and feed-forward products in FP8 "
+        "(float8_e4m3fn, per-token and per-channel scales; a GPU of compute capability 8.9+ or the "
+        "CPU): faster, not exact. Families that offer it: Qwen-Image",
+        choices=("none", "fp8"),
+    )
     # Where StageControl.StartProfile writes traces; empty = <tmp>/omnistage-profiles-<uid>.
     profile_dir: str = setting(
         "",

@@ -24,8 +24,8 @@ from omni_common.models.base import (
     RoleSpec,
     StageState,
     StepRunner,
-    SupportsPrefixCache,
 )
+from omni_common.models.capabilities import SupportsPrefixCache
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
 from omni_common.stages import MAX_BATCH, MAX_QUEUE
@@ -43,6 +43,8 @@ class RoleLimits:
 
 
 class RoleHandler(Protocol):
+    streams: bool  # takes streamed inputs (a streaming step-wise role)
+
     def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]: ...
 
     def load(self) -> int:
@@ -54,6 +56,8 @@ class RoleHandler(Protocol):
 
 class BatchRole:
     """A BatchRunner behind a MicroBatcher on the compute thread."""
+
+    streams = False
 
     def __init__(self, name: str, runner: BatchRunner, compute: Compute, limits: RoleLimits) -> None:
         self.runner = runner
@@ -134,6 +138,8 @@ class StepRole:
 
 class AsyncRole:
     """An AsyncRunner, called directly."""
+
+    streams = False
 
     def __init__(self, runner: AsyncRunner) -> None:
         self.runner = runner

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_common.cluster import interpolate, load_compose, local_plan
+from omni_common.compose import interpolate, load_compose, local_plan
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

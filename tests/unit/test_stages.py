@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from omni_common.models.base import MODULE_ROLES
+from omni_common.models.module_layout import MODULE_ROLES
 from omni_common.stages import STAGE_MODULE_ROLES, STAGES
 
 REPO = Path(__file__).resolve().parents[2]
