@@ -19,7 +19,7 @@ Both sides do not fit on one GPU at once, so they run one after the other in thi
    VAE decode eager, channels-last and compiled.
 Prints one JSON line per measurement, then the ratios against the targets (issue 14).
 `--diffusers-options cluster` compiles diffusers with the inductor options of the cluster's DiT
-(denoise.compile_blocks), which its user could set as well; `--only-diffusers` times that
+(execution.compile_blocks), which its user could set as well; `--only-diffusers` times that
 side alone.
 """
 
@@ -47,7 +47,7 @@ import torch
 
 from omni_common.client import Client, GenerationResult
 from omni_common.cluster import LocalCluster, free_port, loopback_plan
-from omni_common.models.qwenimage.denoise import compile_blocks
+from omni_common.models.qwenimage.execution import compile_blocks
 
 PROMPT = "a watercolor lighthouse at dusk"
 

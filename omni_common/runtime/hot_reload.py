@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from omni_common.checked_files import SafetensorsHeader, is_directory
-from omni_common.errors import InvalidArgument
+from omni_common.errors import FailedPrecondition, InvalidArgument
+from omni_common.execution.fp8 import FP8_DTYPES
 from omni_common.models.weights import local_path, read_safetensors, safetensors_in
 
 
@@ -116,6 +117,11 @@ def planned_copies(
         if tuple(source.shape) != tuple(target.shape):
             raise InvalidArgument(
                 f"weight {name[:120]!r} has shape {list(source.shape)}; the model's is {list(target.shape)}"
+            )
+        if target.dtype in FP8_DTYPES:
+            raise FailedPrecondition(
+                f"weight {name[:120]!r} is quantised to FP8 here (--quantization fp8); LoadWeights "
+                "needs a replica that keeps the model dtype"
             )
         if source.is_floating_point() != target.is_floating_point():
             raise InvalidArgument(

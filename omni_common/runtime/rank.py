@@ -178,11 +178,13 @@ def _load(
     plan = family.parallel
     if plan is None:
         raise SystemExit(f"{family.name} does not declare how its DiT splits over devices")
+    family.card.check_quantization(family.name, config.quantization)
     options = DenoiserOptions(
         max_batch=config.max_batch,
         attention_backend=config.attention_backend,
         capture_sizes=config.capture_sizes,
         devices=world,
+        quantization=config.quantization,
     )
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     context = StageContext(device=device, dtype=dtypes[config.dtype], roles=(role,), denoiser=options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from omni_common.errors import Unimplemented
 from omni_common.models.base import DenoiserOptions, StageContext
 from omni_common.runtime.worker import Worker
 
@@ -24,6 +25,10 @@ class DenoiseWorker(Worker):
         docs/benchmarks.md), except under layerwise offload, whose per-block copies neither a
         graph nor a compiled block may bake in."""
         config = self.config
+        try:
+            self.family.card.check_quantization(self.family.name, config.quantization)
+        except Unimplemented as err:
+            raise SystemExit(f"{self.stage}: {err.message}") from None
         return DenoiserOptions(
             cuda_graphs=self.execution_flag("--cuda-graphs", config.cuda_graphs),
             capture_sizes=config.capture_sizes,
@@ -34,4 +39,5 @@ class DenoiseWorker(Worker):
             lora_dir=config.lora_dir,
             lora_batching=config.lora_batching,
             defer_warm_up=True,  # this replica's StepScheduler runs the idle work
+            quantization=config.quantization,
         )

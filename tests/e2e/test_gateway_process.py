@@ -31,7 +31,7 @@ def start_gateway(extra_env: dict[str, str] | None = None) -> tuple[subprocess.P
         **(extra_env or {}),
     }
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.cli", "serve", "gateway"],
+        [sys.executable, "-m", "omnistage_cli", "serve", "gateway"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from omni_common.client import Client
-from omni_common.cluster import LOOPBACK, LocalCluster, free_port, loopback_plan
+from omni_common.cluster import LocalCluster, free_port, loopback_plan
+from omni_common.compose import LOOPBACK
 from omni_common.health import check_health
 from omni_common.models.qwenimage.vllm_encoder import vllm_available
 
@@ -65,7 +66,7 @@ def test_engine_start_failure_is_a_clear_error_and_never_healthy(tiny_model: Pat
         shard.unlink()
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.cli", "serve", "ar-encoder", "--backend", "vllm"],
+        [sys.executable, "-m", "omnistage_cli", "serve", "ar-encoder", "--backend", "vllm"],
         env={
             **os.environ,
             "OMNISTAGE_MODEL": str(broken),

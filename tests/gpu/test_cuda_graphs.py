@@ -15,8 +15,9 @@ import torch
 
 from omni_common.execution import compile_cache
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.models.qwenimage.warmup import REAL_TEXT_TOKENS
 from omni_common.runtime.memory import WeightSleeper, discover_modules

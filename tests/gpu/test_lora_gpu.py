@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omni_common.models.base import DenoiserOptions, GenerationRequest
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.hot_reload import copy_weights, planned_copies

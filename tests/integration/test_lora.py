@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from omni_common.client import Client
 from omni_common.errors import InvalidArgument, NotFound
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.net.rpc import sync_channel
-from omnistage import cli
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage_cli import main as cli
 from tests.integration.conftest import InProcessCluster
 from tests.integration.test_concurrency import IMAGE_TOL
 

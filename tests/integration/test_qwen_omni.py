@@ -21,9 +21,9 @@ from omni_common.client import Client
 from omni_common.errors import Cancelled, InvalidArgument
 from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.net.rpc import sync_channel
-from omnistage import cli
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage_cli import main as cli
 from tests.integration.conftest import InProcessCluster
 
 PROMPT = "Tell me a short story."

@@ -31,6 +31,7 @@ class EpilogueGELU(GELU):
             and hidden_states.is_cuda
             and self.approximate == "tanh"
             and proj.bias is not None
+            and proj.weight.dtype == hidden_states.dtype  # an FP8 layer (fp8.py) runs its own product
             and not (proj._forward_hooks or proj._forward_pre_hooks)  # adapters' hooks run eagerly
         )
         if not fused:

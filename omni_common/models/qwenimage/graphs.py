@@ -34,7 +34,7 @@ TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 TEXT_ALIGN = 8  # masked graphs pad prompts to a multiple of this many tokens
 
 ImgShapes = list[list[tuple[int, int, int]]]
-# The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
+# The transformer call of QwenImagePipeline's loop, on named inputs (execution.transformer_forward).
 Forward = Callable[[QwenImageTransformer2DModel, Inputs, ImgShapes], torch.Tensor]
 # A piece of that forward on named inputs (the step cache's later blocks, step_cache.py).
 Part = Callable[[Inputs, ImgShapes], torch.Tensor]

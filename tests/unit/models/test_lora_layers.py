@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from omni_common.models.lora import LoraLayers, save_random_lora
+from omni_common.models.lora import LoraLayers
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.lora import read_qwenimage_lora
 
 CPU = torch.device("cpu")

@@ -28,7 +28,8 @@ from omni_common.models.base import GenerationRequest, StageState, StepRunner, S
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.calls import FINISHED_WITH, StageCall
-from omni_common.runtime.step_scheduler import FOLLOWERS_WAIT_S, StepScheduler
+from omni_common.runtime.step_policy import FOLLOWERS_WAIT_S
+from omni_common.runtime.step_scheduler import StepScheduler
 
 CPU = torch.device("cpu")
 TOL = 1e-5

@@ -10,8 +10,9 @@ import pytest
 import torch
 from diffusers.models.activations import GELU
 
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.epilogue import EpilogueGELU, fuse_gelu_epilogue
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.modulation import swap_class
 
 from ..conftest import CPU

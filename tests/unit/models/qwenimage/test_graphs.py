@@ -16,7 +16,8 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 
 from omni_common.models.base import DenoiserOptions
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.graphs import (
     BATCH_BUCKETS,
     TEXT_BUCKETS,

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from omni_common.models.base import DenoiserOptions, GenerationRequest
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 
 ATOL = 1e-5

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from omni_common.models.base import GenerationRequest
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.modulation import ModulationCache
 from omni_common.models.qwenimage.step_cache import StepCache, cached_forward
 
