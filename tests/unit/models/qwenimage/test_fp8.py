@@ -27,8 +27,8 @@ from omni_common.runtime.config import StageConfig, add_stage_args, stage_config
 from omni_common.runtime.hot_reload import planned_copies
 from services.dit_denoise.worker import DenoiseWorker
 
-from .conftest import CPU
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_graphs import inputs
 
 ROUNDING = 2**-4
 LINEARS_PER_BLOCK = 12  # q/k/v and out of each stream (8), two feed-forward layers per stream (4)
