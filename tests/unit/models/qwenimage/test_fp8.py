@@ -21,7 +21,8 @@ from omni_common.errors import FailedPrecondition, InvalidArgument, Unimplemente
 from omni_common.execution.fp8 import FP8, Float8Linear
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
 from omni_common.models.glm_image.family import GlmImageFamily
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.fp8 import quantize_blocks
 from omni_common.runtime.config import StageConfig, add_stage_args, stage_config
 from omni_common.runtime.hot_reload import planned_copies
