@@ -33,7 +33,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_fixture(tmp_path_factory.mktemp("models") / "qwen-image-tiny-hd32", head_dim=32)
 
 
-def generate(model: Path, backend: str, logs: Path) -> np.ndarray:  # type: ignore[type-arg]
+def generate(model: Path, backend: str, logs: Path) -> np.ndarray:
     plan = loopback_plan(model, "float32", {"OMNISTAGE_BACKEND": backend})
     with LocalCluster(plan, log_dir=logs) as cluster, Client(cluster.coordinator) as client:
         image = client.generate(

@@ -3,7 +3,7 @@
 A replay must give what the eager forward gives on the same padded inputs, follow new input
 values through its static buffers, take a new graph only for a new bucket, and survive the
 weights moving (sleep/wake) by capturing again. fp32, so differences are float rounding
-(~1e-7 here; see tests/unit/models/test_qwenimage_graphs.py for the padding's own tolerance).
+(~1e-7 here; see tests/unit/models/qwenimage/test_graphs.py for the padding's own tolerance).
 """
 
 from __future__ import annotations

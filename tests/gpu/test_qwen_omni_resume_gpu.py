@@ -15,8 +15,8 @@ from omni_common.models.base import StageState
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.models.qwen_omni.token2wav import Token2Wav
-from tests.unit.models.test_qwen_omni_resume import _every, assert_same_chunks, resumed, run_until_checkpoint
-from tests.unit.models.test_qwen_omni_runners import CPU, request, run_role
+from tests.unit.models.qwen_omni.test_resume import _every, assert_same_chunks, resumed, run_until_checkpoint
+from tests.unit.models.qwen_omni.test_runners import CPU, request, run_role
 
 pytestmark = [
     pytest.mark.gpu,

@@ -71,7 +71,7 @@ def add(
 
 def generate(cluster: InProcessCluster, seed: int = 3, **kwargs: object) -> np.ndarray:
     with Client(cluster.coordinator) as client:
-        result = client.generate_result("a lamp", seed=seed, return_tensor=True, **SMALL, **kwargs)  # type: ignore[arg-type]
+        result = client.generate_result("a lamp", seed=seed, return_tensor=True, **SMALL, **kwargs)
         return np.asarray(result.tensor)
 
 
@@ -195,7 +195,7 @@ def test_adapter_control_calls_and_bad_adapters(
     assert "a" not in [i.name for i in remaining.loras]
 
 
-def test_an_adapter_in_the_directory_loads_on_demand(cluster: InProcessCluster, control) -> None:  # type: ignore[no-untyped-def]
+def test_an_adapter_in_the_directory_loads_on_demand(cluster: InProcessCluster, control) -> None:
     image = generate(cluster, loras=[("ondisk", 1.0)])
     assert np.abs(image - generate(cluster)).max() > 1e-3
     assert "ondisk" in [i.name for i in control.ListLoras(stage_pb2.ListLorasRequest(), timeout=10).loras]

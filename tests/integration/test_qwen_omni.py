@@ -52,7 +52,7 @@ def leases_and_jobs_free(cluster: InProcessCluster) -> bool:
     return not any(cluster.live_leases().values())
 
 
-def wait_until(check, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+def wait_until(check, timeout: float = 10.0) -> bool:
     until = time.monotonic() + timeout
     while time.monotonic() < until:
         if check():
@@ -144,7 +144,7 @@ def test_eight_replies_at_once_each_equal_their_lone_reply(omni: InProcessCluste
     with Client(omni.coordinator) as client:
         alone = {seed: client.speak(PROMPT, seed=seed, options=CAPS) for seed in seeds}
 
-        def speak(seed: int):  # type: ignore[no-untyped-def]
+        def speak(seed: int):
             return client.speak(PROMPT, seed=seed, options=CAPS)
 
         with ThreadPoolExecutor(8) as pool:

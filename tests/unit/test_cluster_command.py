@@ -15,7 +15,7 @@ from omnistage_cli.main import build_parser
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compose_plan(env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def compose_plan(env: dict[str, str] | None = None):
     return local_plan(load_compose(REPO / "docker-compose.yml", env or {}), REPO)
 
 

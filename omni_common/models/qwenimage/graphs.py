@@ -120,7 +120,7 @@ def capturable_text_mask() -> Iterator[None]:
     diffusers 0.42 builds those lengths with `torch.as_tensor(int, device=...)`, a host to
     device copy that a CUDA graph capture refuses; QwenImageTransformer2DModel.forward
     discards them (it keeps the sequence length and the bool mask, which this returns the
-    same). tests/unit/models/test_qwenimage_graphs.py pins that the forward is unchanged.
+    same). tests/unit/models/qwenimage/test_graphs.py pins that the forward is unchanged.
     """
     original = transformer_qwenimage.compute_text_seq_len_from_mask
 

@@ -12,7 +12,7 @@ requests that miss only, and refresh their caches. A hit is approximate by desig
 
 With every request missing, the noise prediction is bitwise QwenImageTransformer2DModel's:
 `_preamble` and the block loop are its forward's ops in its order (diffusers 0.42;
-tests/unit/models/test_qwenimage_step_cache.py pins it).
+tests/unit/models/qwenimage/test_step_cache.py pins it).
 
 Costs: the decision reads the distances on the host, one small device sync per step (the
 host waits for block 0, so the step scheduler's launch-ahead overlap is lost on these steps).

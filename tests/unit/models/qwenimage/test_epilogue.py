@@ -15,8 +15,8 @@ from omni_common.models.qwenimage.epilogue import EpilogueGELU, fuse_gelu_epilog
 from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.modulation import swap_class
 
-from .conftest import CPU
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_graphs import inputs
 
 
 def test_a_transformer_with_the_epilogue_gelu_computes_as_diffusers_on_the_cpu(tiny_model: Path) -> None:

@@ -16,7 +16,7 @@ from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.models.qwen_omni.token2wav import Token2Wav
-from tests.unit.models.test_qwen_omni_runners import CPU, one_thread, request, run_role
+from tests.unit.models.qwen_omni.test_runners import CPU, one_thread, request, run_role
 
 __all__ = ["one_thread"]  # its fixture: one CPU thread, as the reference runs
 

@@ -34,7 +34,7 @@ from tests.unit.models.conftest import CPU
 
 SHORT, LONG = "a cat", "a red cat sitting on a blue mat under a green tree"
 NEGATIVE = "blurry, low quality, watermark"
-ATOL = 1e-5  # batched vs alone (test_qwenimage_batching.py's tolerance and its reasons)
+ATOL = 1e-5  # batched vs alone (test_batching.py's tolerance and its reasons)
 MIN_PSNR = 55.0
 
 
