@@ -287,10 +287,13 @@ class Token2Wav:
         return None
 
     def checkpoint(self, state: StepState) -> StageState | None:
-        """Once per window solved (None in between, and while one is being solved): the noise
-        later windows read, the generator, the frames and chunks done."""
+        """Once per window solved (None in between, while one is being solved, and for a
+        one-shot request, whose one window ends it): the noise later windows read, the
+        generator, the frames and chunks done."""
         assert isinstance(state, Token2WavState)
-        if state.window is not None or state.pending or state.frames_done <= state.checkpointed:
+        if not state.streamed or state.window is not None or state.pending:
+            return None
+        if state.frames_done <= state.checkpointed:
             return None
         state.checkpointed = state.frames_done
         noise = state.noise if state.noise is not None else torch.zeros(1, 0, self.mel_dim)

@@ -115,6 +115,21 @@ def test_token2wav_restored_from_a_checkpoint_makes_the_uninterrupted_mel(
     assert_same_chunks(before + after, want)
 
 
+def test_a_one_shot_token2wav_gives_no_checkpoint(models: tuple[Thinker, Talker, Token2Wav]) -> None:
+    """Its one window ends the request: a checkpoint of it would only restart it."""
+    thinker, talker, token2wav = models
+    gen = request(seed=6, stream_audio=0)
+    (rows,) = run_role(thinker, [gen], [[]])
+    (codes,) = run_role(talker, [gen], [rows])
+    state, checkpoints = start(token2wav, gen, codes), []
+    while not token2wav.is_done(state):
+        token2wav.step([state])
+        token2wav.take_partial(state)
+        checkpoints.append(token2wav.checkpoint(state))
+    token2wav.finish(state)
+    assert len(checkpoints) > 1 and checkpoints == [None] * len(checkpoints)
+
+
 def test_bad_checkpoints_are_invalid(models: tuple[Thinker, Talker, Token2Wav]) -> None:
     thinker, talker, token2wav = models
     gen = request(seed=5, stream_audio=1)
