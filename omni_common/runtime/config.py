@@ -90,6 +90,10 @@ class StageConfig:
     devices: tuple[str, ...] = ()
     # dit-denoise: "fp8" runs the DiT's block products in FP8 (DenoiserOptions.quantization).
     quantization: str = "none"
+    # dit-denoise over several devices: where each request runs (runtime/parallel_mode.py).
+    parallel_mode: str = "auto"
+    cfg_parallel_tokens: int = 8192
+    sequence_parallel_tokens: int = 16384
 
     @property
     def bind_address(self) -> str:
@@ -176,6 +180,29 @@ def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:
         type=int,
         default=int(env("GPUS", "0")),
         help="dit-denoise: shorthand for --devices cuda:0,...,cuda:N-1 (0 or 1: one device)",
+    )
+    parser.add_argument(
+        "--parallel-mode",
+        default=env("PARALLEL_MODE", "auto"),
+        choices=("auto", "sequence-parallel", "data-parallel"),
+        help="dit-denoise over several devices: auto picks per request (a lone large request split "
+        "over the devices, CFG parallel or sequence parallel; otherwise each request on one device, "
+        "several at once); sequence-parallel splits every request; data-parallel never does",
+    )
+    parser.add_argument(
+        "--cfg-parallel-tokens",
+        type=int,
+        default=int(env("CFG_PARALLEL_TOKENS", "8192")),
+        help="dit-denoise, --parallel-mode auto: a lone request with true CFG runs its two branches "
+        "on the two halves of the devices from this many image tokens a step (CFG counted twice; "
+        "Qwen-Image: 8192 = 1024x1024 with CFG)",
+    )
+    parser.add_argument(
+        "--sequence-parallel-tokens",
+        type=int,
+        default=int(env("SEQUENCE_PARALLEL_TOKENS", "16384")),
+        help="dit-denoise, --parallel-mode auto: a lone request is split over the devices (Ulysses) "
+        "from this many image tokens a step (Qwen-Image: 16384 = 2048x2048)",
     )
     parser.add_argument(
         "--dtype",
@@ -403,6 +430,9 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         control_root=args.control_root,
         devices=devices,
         quantization=args.quantization,
+        parallel_mode=args.parallel_mode,
+        cfg_parallel_tokens=args.cfg_parallel_tokens,
+        sequence_parallel_tokens=args.sequence_parallel_tokens,
     )
 
 
