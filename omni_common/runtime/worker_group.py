@@ -239,6 +239,11 @@ class GroupRunner:
     def prepare(self, request: GenerationRequest, inputs: StageState) -> GroupState:
         """Prepared first on the least loaded rank (its step cost sizes the choice), then, for a
         collective mode, on the other ranks too."""
+        if request.loras:  # the adapters would have to reach every device worker (lora_layers)
+            raise Unimplemented(
+                "LoRA adapters are not available on a dit-denoise replica over several devices; "
+                "send the request to a one-device replica"
+            )
         sid, world = next(self._ids), len(self.group.devices)
         held = [sum(rank in ranks for ranks in self._placed.values()) for rank in range(world)]
         first = min(range(world), key=lambda rank: (held[rank], rank))

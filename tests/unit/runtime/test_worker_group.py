@@ -13,13 +13,14 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from omni_common.errors import InvalidArgument, Unavailable
+from omni_common.errors import InvalidArgument, Unavailable, Unimplemented
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.runtime.config import StageConfig
@@ -144,8 +145,10 @@ def test_a_bad_request_fails_alone_and_the_group_serves_on(group: WorkerGroup) -
     with pytest.raises(InvalidArgument, match="negative_prompt_embeds"):
         runner.prepare(request, StageState({"prompt_embeds": torch.randn(1, 5, 16)}))
     ((cached, inputs),) = requests(False, 1, step_cache="0.1")
-    with pytest.raises(InvalidArgument, match="step_cache is not available"):
+    with pytest.raises(Unimplemented, match="step_cache is not available on a replica spread over 2"):
         runner.prepare(cached, inputs)
+    with pytest.raises(Unimplemented, match="LoRA adapters are not available on a dit-denoise replica over"):
+        runner.prepare(replace(cached, options=(), loras=(("ink", 1.0),)), inputs)
     ((fine, inputs),) = requests(False, 1)
     state = runner.prepare(fine, inputs)
     runner.step([state])
