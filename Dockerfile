@@ -17,6 +17,7 @@ RUN pip install --require-hashes --no-deps -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY omnistage ./omnistage
+COPY omnistage_cli ./omnistage_cli
 COPY omni_common ./omni_common
 COPY services ./services
 RUN pip install --no-deps --no-build-isolation .

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from omni_common.models.qwenimage.denoise import compile_blocks
+from omni_common.models.qwenimage.execution import compile_blocks
 
 MODES = ("eager", "regional", "whole", "max-autotune")
 DEFAULT_MODES = ("regional", "whole")

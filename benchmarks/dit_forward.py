@@ -26,7 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.graphs import TEXT_BUCKETS, GraphedTransformer, bucket, padded_inputs
 
 PROMPT_TOKENS = 20  # a short prompt once the template's prefix is dropped

@@ -35,7 +35,8 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from dit_forward import Shape, timed_ms
 from torch.profiler import ProfilerActivity, profile
 
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.weights import load_component
 
 ATTENTION = ("flash", "fmha", "attention", "sdpa", "attn")

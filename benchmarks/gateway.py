@@ -38,7 +38,8 @@ import httpx
 
 from omni_common.chat import chat_request
 from omni_common.client import AsyncClient, Client, generate_request
-from omni_common.cluster import LOOPBACK, LocalCluster, LocalProcess, free_port, loopback_plan
+from omni_common.cluster import LocalCluster, free_port, loopback_plan
+from omni_common.compose import LOOPBACK, LocalProcess
 from services.gateway.protocol import LAST_STEP_ONLY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ SPEECH_PROMPT = "Tell me a short story."
 
 def gateway_process(coordinator: str) -> LocalProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "omnistage.cli", "serve", "gateway"]
+    argv = [sys.executable, "-m", "omnistage_cli", "serve", "gateway"]
     env = {"OMNISTAGE_PORT": str(port), "OMNISTAGE_COORDINATOR": coordinator}
     return LocalProcess("gateway", argv, env, f"http://{LOOPBACK}:{port}/health")
 

@@ -22,7 +22,7 @@ Both sides do not fit on one GPU at once, so they run one after the other in thi
    its VAE decode eager, channels-last and compiled.
 Prints one JSON line per measurement, then the ratios against the targets (issue 14).
 `--diffusers-options cluster` compiles diffusers with the inductor options of the cluster's DiT
-(denoise.compile_blocks), which its user could set as well; `--only-diffusers` times that
+(execution.compile_blocks), which its user could set as well; `--only-diffusers` times that
 side alone.
 """
 

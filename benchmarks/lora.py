@@ -35,7 +35,7 @@ from diffusers import QwenImagePipeline
 
 from omni_common.client import AsyncClient
 from omni_common.cluster import LocalCluster, loopback_plan
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.fixture import build_tiny_fixture
 
 CONCURRENCY = 8

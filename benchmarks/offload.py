@@ -33,8 +33,8 @@ from omni_common.models.qwenimage.decode import QwenImageDecoder
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.models.qwenimage.family import MODULES
+from omni_common.runtime.layerwise_offload import LayerwiseOffload
 from omni_common.runtime.memory import WeightSleeper, discover_modules
-from omni_common.runtime.offload import LayerwiseOffload
 
 GIB = 1024**3
 

@@ -28,9 +28,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError
+from omni_common.stages import STAGES
 
 SHM = Path("/dev/shm")
-STAGES = ("ar-encoder", "dit-denoise", "vae-decode")
 REQUEST = {"width": 32, "height": 32, "steps": 8}
 
 

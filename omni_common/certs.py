@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from omni_common.net.tls import CLUSTER_NAME
-from omni_common.runtime.config import STAGES
+from omni_common.stages import STAGES
 
 SERVICES = ("coordinator", *STAGES, "gateway")
 CA_DAYS = 3650

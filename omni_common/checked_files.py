@@ -203,7 +203,7 @@ def read_tensors(fd: int, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
     buffer laid out as the file (its header's bytes left unread), each a view at its file
     offset. That is the layout (and the alignment) that safetensors' own loader gives, which
     diffusers reads adapters with: CPU kernels may round differently on memory aligned
-    otherwise, and an adapter's image is bitwise diffusers' (test_qwenimage_lora)."""
+    otherwise, and an adapter's image is bitwise diffusers' (tests/unit/models/qwenimage/test_lora.py)."""
     start = header.data_start
     buffer = torch.empty(start + header.data_bytes, dtype=torch.uint8)
     _pread_into(fd, buffer.numpy().data[start:], start)

@@ -63,14 +63,24 @@ def inspect_image(data: bytes, *, index: int = 0, max_pixels: int) -> ImageInput
 def input_images(tensors: Mapping[str, torch.Tensor], *, max_pixels: int) -> tuple[ImageInput, ...]:
     """The input images among a stage call's tensors (`input.image.0`, `.1`, ...), checked."""
     found: list[ImageInput] = []
-    while (tensor := tensors.get(input_image_name(len(found)))) is not None:
-        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
-            raise InvalidArgument(f"{input_image_name(len(found))} must be a 1-D uint8 tensor of file bytes")
+    while input_image_name(len(found)) in tensors:
+        tensor = input_image_bytes(tensors, len(found))
         found.append(inspect_image(image_bytes(tensor), index=len(found), max_pixels=max_pixels))
     extra = [name for name in tensors if name.startswith(INPUT_PREFIX + "image.")]
     if len(extra) != len(found):
         raise InvalidArgument("input images must be numbered from 0 without gaps")
     return tuple(found)
+
+
+def input_image_bytes(tensors: Mapping[str, torch.Tensor], index: int) -> torch.Tensor:
+    """Input image `index` among a call's tensors: its file bytes, a 1-D uint8 tensor;
+    INVALID_ARGUMENT when it is missing or anything else."""
+    tensor = tensors.get(input_image_name(index))
+    if tensor is None or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise InvalidArgument(
+            f"input image {index} ({input_image_name(index)}) must be a 1-D uint8 tensor of file bytes"
+        )
+    return tensor
 
 
 def image_bytes(tensor: torch.Tensor) -> bytes:

@@ -23,8 +23,8 @@ from omni_common.limits import (  # noqa: F401  (re-exported: callers import the
     MAX_STEPS,
 )
 from omni_common.models.base import ChatTurn, GenerationRequest, ImageInput, ModelCard, OptionSpec
-from omni_common.models.lora import NAME_PATTERN as LORA_NAME
-from omni_common.models.lora import check_scale
+from omni_common.models.lora_files import NAME_PATTERN as LORA_NAME
+from omni_common.models.lora_files import check_scale
 from omnistage.v1 import stage_pb2
 
 MAX_MESSAGES = 256
@@ -35,6 +35,13 @@ DEFAULT_SIDE = 1024
 DEFAULT_STEPS = 50
 DEFAULT_CFG = 4.0
 DEFAULT_SEQUENCE_LENGTH = 512
+
+
+def check_multiple(side: str, value: int, multiple: int) -> None:
+    """An output side (`side` names it: "width", "height") that is a multiple of `multiple`:
+    16 for every model, more for a family whose grid is coarser (its card's size_multiple)."""
+    if value % multiple:
+        raise InvalidArgument(f"{side} is {value}; it must be a multiple of {multiple}")
 
 
 def check_request_id(request_id: str) -> str:
@@ -122,8 +129,7 @@ def to_request(
         value = getattr(params, name)
         if value < 16 or value > MAX_SIDE:
             raise InvalidArgument(f"{name} is {value}; it must be in [16, {MAX_SIDE}]")
-        if value % 16:
-            raise InvalidArgument(f"{name} is {value}; it must be a multiple of 16")
+        check_multiple(name, value, 16)
     pixels = params.width * params.height
     if pixels > max_pixels:
         raise ResourceExhausted(

@@ -1,2 +1,3 @@
-"""omnistage's top: `v1`, the API generated from protos/, and `cli`, the `omnistage` command, which
-composes omni_common and services (so neither of those imports the other upward)."""
+"""The wire package: `omnistage.v1`, the API generated from protos/ (omni_common/protogen.py).
+Nothing else lives here, so every layer may import it; the `omnistage` command is
+omnistage_cli."""

@@ -94,7 +94,7 @@ if [ "$PROFILE" = vllm ]; then
 fi
 
 # omnistage itself, editable, with the setuptools of the lock (no build isolation: nothing unpinned).
-if ! "$VENV/bin/python" -c "import omnistage.cli" 2>/dev/null || [ ! -x "$VENV/bin/omnistage" ]; then
+if ! "$VENV/bin/python" -c "import omnistage_cli.main" 2>/dev/null || [ ! -x "$VENV/bin/omnistage" ]; then
   say "installing omnistage (editable)"
   "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e . \
     2> >(grep -v '^WARNING: Location' >&2)

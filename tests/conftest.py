@@ -20,7 +20,7 @@ def omnistage_segments() -> set[str]:
 def segment_owner(name: str) -> int | None:
     """The pid that made segment `name`: an arena file's by its lease table's header, a queue's
     by its stamp; None when neither can be read (the table already unlinked)."""
-    from omni_common.transport.leases import HEADER, QUEUE_RE
+    from omni_common.transport.lease_table import HEADER, QUEUE_RE
     from omni_common.transport.owner import STAMP
 
     if QUEUE_RE.fullmatch(name):

@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.net import tracing
+from omni_common.stages import MAX_BATCH, MAX_QUEUE
 
 I = TypeVar("I")  # noqa: E741
 O = TypeVar("O")  # noqa: E741
@@ -55,8 +56,8 @@ class MicroBatcher(Generic[I, O]):
         *,
         name: str,
         window_s: float = 0.0,
-        max_batch: int = 8,
-        max_queue: int = 64,
+        max_batch: int = MAX_BATCH,
+        max_queue: int = MAX_QUEUE,
         cost: Callable[[I], int] = lambda item: 1,
         max_cost: int = 0,
     ) -> None:

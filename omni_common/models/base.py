@@ -20,16 +20,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 
 from omni_common.errors import Unimplemented
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
+from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGES
 
-STAGE_TYPES = ("ar-encoder", "dit-denoise", "vae-decode")
-# Module roles: what sleep/wake and offload move (ModuleDeclaration), not model roles.
-MODULE_ROLES = ("dit", "encoder", "vae", "resident")
 RunnerKind = Literal["batch", "steps", "async"]
 # Where a plan step reads the request's own inputs: "input.image.0", "input.image.1", ...
 INPUT_PREFIX = "input."
@@ -38,45 +37,6 @@ INPUT_PREFIX = "input."
 def input_image_name(index: int) -> str:
     """The tensor name of the request's `index`-th input image (its encoded file bytes, uint8)."""
     return f"{INPUT_PREFIX}image.{index}"
-
-
-@dataclass(frozen=True)
-class ModuleDeclaration:
-    """A family's torch modules by module role, as dotted paths relative to a stage model (e.g.
-    "transformer.img_in"). Sleep moves every declared module's weights except those of
-    `resident` modules (small ones that must stay on the device); `layers` name module lists
-    (transformer blocks) that layerwise offload streams through the device one at a time."""
-
-    roles: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    layers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        unknown = set(self.roles) - set(MODULE_ROLES)
-        if unknown:
-            raise ValueError(f"unknown module roles {sorted(unknown)}; roles are {MODULE_ROLES}")
-
-
-@dataclass(frozen=True)
-class SequenceParallelPlan:
-    """How a family's DiT splits across the devices of one replica (Ulysses sequence parallel,
-    omni_common/runtime/sequence_parallel.py): the image tokens are split across the ranks, the
-    text tokens are replicated, and attention exchanges heads for tokens around its core.
-
-    Every name is declarative, so the next family adds a plan, not a fork of the runtime: the
-    DiT module, the forward keyword arguments that hold its image tokens [B, N, C] (split on
-    dim 1; its output, element 0 of the returned tuple, is gathered on dim 1) and its text tokens
-    [B, L, C] (replicated), the submodule whose output element `rotary_output` holds per-image-token
-    rotary embeddings (split on dim 0), the attention function its attention processors call
-    with joint query/key/value [B, S, H, D] (text tokens first, then image tokens) as
-    "module:function", and the config key of its head count."""
-
-    module: str
-    tokens: str
-    text: str
-    rotary: str
-    rotary_output: int
-    attention: str
-    heads: str
 
 
 def input_audio_name(index: int) -> str:
@@ -159,7 +119,7 @@ class DenoiserOptions:
     cuda_graphs: bool = False
     # (width, height) sizes whose graphs are captured at load, for every batch up to max_batch.
     capture_sizes: tuple[tuple[int, int], ...] = ()
-    max_batch: int = 8
+    max_batch: int = MAX_BATCH
     # A diffusers attention backend ("_native_cudnn", "_native_flash", ...); "" keeps the default.
     attention_backend: str = ""
     # torch.compile the transformer's repeated blocks.
@@ -198,8 +158,8 @@ class StageContext:
     vllm_memory_fraction: float = 0.1
     # Async runners that batch by themselves: the batch window, sizes and queue bound.
     batch_window_s: float = 0.0
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: int = MAX_BATCH
+    max_queue: int = MAX_QUEUE
     # Output caches of roles that keep one (e.g. prompt embeddings), in bytes; 0 = off.
     cache_bytes: int = 0
     cache_bypass: bool = False
@@ -262,11 +222,9 @@ class BatchRunner(Protocol):
 
 class StepRunner(Protocol):
     """Step-wise work, so a scheduler can interleave requests between steps: a denoising
-    loop (one transformer forward + scheduler step) or token generation (one token).
-
-    Optional: `idle_work() -> bool` does one short unit of work ahead (e.g. a CUDA graph of a
-    common shape) while no request is here, False when nothing is left, and
-    `idle_work_left() -> int` says how many units remain (the scheduler calls them)."""
+    loop (one transformer forward + scheduler step) or token generation (one token). What a
+    step runner may do beyond this (stream, work while idle, take adapters...) is named in
+    capabilities.py."""
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> StepState:
         """Everything before the first step (noise and timesteps; a prefill)."""
@@ -314,41 +272,6 @@ class StepRunner(Protocol):
         cancelled, expired or failed. Idempotent; nothing to do for most runners."""
         ...
 
-    def forget_cuda_graphs(self) -> None:
-        """Drop captured CUDA graphs: they hold the weights' device addresses, which a sleep
-        frees (later steps capture them again). Nothing to do without graphs."""
-        ...
-
-
-@runtime_checkable
-class SupportsPrefixCache(Protocol):
-    """A generator that keeps its prompts' prefix KV for later prompts (prefix_cache.py);
-    the stage's metrics read its counters."""
-
-    def prefix_stats(self) -> Any:
-        """A prefix_cache.PrefixStats."""
-        ...
-
-
-class StreamingRunner(StepRunner, Protocol):
-    """A StepRunner whose requests stream: outputs leave in chunks while the request runs
-    (`take_partial`), and, for a plan step with `streamed` inputs, inputs arrive in chunks
-    (`feed`); a state steps only when `ready` (it has the input its next step needs).
-    The first input chunk comes with `prepare`."""
-
-    def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
-        """Add the next input chunk (in order); `end`: no more will come."""
-        ...
-
-    def ready(self, state: StepState) -> bool:
-        """Whether the next step of `state` has its input."""
-        ...
-
-    def take_partial(self, state: StepState) -> StageState | None:
-        """The output made since the last call, as the next chunk; None when there is none.
-        Called after every step; a finished state's last chunk is taken before `finish`."""
-        ...
-
 
 class AsyncRunner(Protocol):
     """A runner that batches and queues by itself (a vLLM engine, a cache in front of a model)."""
@@ -378,7 +301,7 @@ class RoleSpec:
     """A model role: a kind of call a family's stage model can serve."""
 
     name: str  # e.g. "text-encoder", "prior", "denoise", "vae-decode"
-    stage: str  # the stage type that serves it (STAGE_TYPES)
+    stage: str  # the stage type that serves it (omni_common/stages.py)
     kind: RunnerKind
     description: str = ""
 
@@ -404,7 +327,7 @@ class PlanStep:
     resumable: bool = False
     cache_key: str = ""
     # Consumed tensors that arrive as a stream of chunks (partial outputs of their producer,
-    # a StreamingRunner): the step starts with the first chunk instead of the whole output.
+    # a capabilities.StreamingRunner): the step starts with the first chunk, not the whole output.
     streamed: tuple[str, ...] = ()
 
 
@@ -420,7 +343,7 @@ class Plan:
         produced: set[str] = set()
         names: set[str] = set()
         for step in self.steps:
-            if step.stage not in STAGE_TYPES:
+            if step.stage not in STAGES:
                 raise ValueError(f"plan step {step.name!r}: unknown stage {step.stage!r}")
             if step.name in names:
                 raise ValueError(f"plan step {step.name!r} appears twice")

@@ -16,7 +16,7 @@ import torch
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import StageState, StepState
 from omni_common.models.graphed_decode import GraphedDecode, Launched, decoder_of, use_graphed_attention
-from omni_common.models.kv_slots import KVSlots, Slot, use_slot_attention
+from omni_common.models.kv_slots import KVSlot, KVSlots, use_slot_attention
 from omni_common.models.sampling import Sampling, pick_tokens
 
 MAX_TOKENS = 16384  # per request: prompt + generated tokens a slot holds
@@ -40,7 +40,7 @@ def decode_mode(mode: str, device: torch.device) -> str:
 class GenerationState(StepState):
     """One request in flight. `step_index` counts the tokens picked, of `total_steps`."""
 
-    slot: Slot
+    slot: KVSlot
     sampling: Sampling
     eos: frozenset[int]
     sequence: torch.Tensor  # [1, prompt + total_steps] int64: the prompt, then the picked tokens

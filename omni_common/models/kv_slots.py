@@ -48,7 +48,7 @@ SLOT_ATTENTION = "omnistage_slot_rows"  # the attention implementation's registe
 
 
 @dataclass(eq=False)
-class Slot:
+class KVSlot:
     """A request's row in the buffers and how many of its tokens are cached there."""
 
     index: int
@@ -78,7 +78,7 @@ class KVSlots:
         self.max_tokens = max_tokens
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.owners: list[Slot | None] = []  # per row
+        self.owners: list[KVSlot | None] = []  # per row
         self._allocate(rows=0, capacity=0)
 
     @property
@@ -90,10 +90,10 @@ class KVSlots:
         return self.keys[0].shape[2] if self.keys else 0
 
     @property
-    def active(self) -> list[Slot]:
+    def active(self) -> list[KVSlot]:
         return [slot for slot in self.owners if slot is not None]
 
-    def acquire(self, tokens: int) -> Slot:
+    def acquire(self, tokens: int) -> KVSlot:
         """The lowest free row, for a request that will cache `tokens` tokens (prompt + sampled)."""
         if tokens > self.max_tokens:
             raise ResourceExhausted(
@@ -109,7 +109,7 @@ class KVSlots:
         capacity = max(self.capacity, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
         if (rows, capacity) != (self.rows, self.capacity):
             self._allocate(rows, capacity)
-        slot = Slot(free[0] if free else self.owners.index(None))
+        slot = KVSlot(free[0] if free else self.owners.index(None))
         self.owners[slot.index] = slot
         return slot
 
@@ -120,14 +120,14 @@ class KVSlots:
         self.max_tokens = capacity
         self._allocate(self.max_slots, capacity)
 
-    def release(self, slot: Slot) -> None:
+    def release(self, slot: KVSlot) -> None:
         """Free `slot`'s row (nothing is copied or cleared: no one reads past a row's length).
         Idempotent."""
         if not slot.released:
             slot.released = True
             self.owners[slot.index] = None
 
-    def fill(self, slot: Slot, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    def fill(self, slot: KVSlot, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Store a prefill's cache (per layer [1, kv_heads, L, head_dim]) in `slot`."""
         length = keys[0].shape[2]
         for layer in range(self.layers):
@@ -135,14 +135,14 @@ class KVSlots:
             self.values[layer][slot.index, :, :length] = values[layer][0]
         slot.length = length
 
-    def read(self, slot: Slot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def read(self, slot: KVSlot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Copies of what `slot` caches: per layer keys and values [1, kv_heads, length, head_dim]."""
         length = slot.length
         keys = tuple(layer[slot.index : slot.index + 1, :, :length].clone() for layer in self.keys)
         values = tuple(layer[slot.index : slot.index + 1, :, :length].clone() for layer in self.values)
         return keys, values
 
-    def batch(self, slots: Sequence[Slot]) -> SlotBatch:
+    def batch(self, slots: Sequence[KVSlot]) -> SlotBatch:
         """The cache of one decode forward over `slots` (in that row order)."""
         return SlotBatch(self, slots)
 
@@ -208,7 +208,7 @@ class SlotBatch(Cache):
     mask, transformers' `create_causal_mask` sizes its own from them (and, for one query token and
     no padding, makes none: SDPA runs unmasked, as in `generate`)."""
 
-    def __init__(self, slots: KVSlots, rows: Sequence[Slot]) -> None:
+    def __init__(self, slots: KVSlots, rows: Sequence[KVSlot]) -> None:
         assert not any(slot.released for slot in rows), "a released slot cannot step"
         self.slots = slots
         self.rows = list(rows)

@@ -1,50 +1,87 @@
-"""Model families by name, and which family serves a diffusers model directory. Importing a
-family imports only its family.py (light: roles, plan, validation); runners load with a stage."""
+"""Model families by name, and which family serves a model directory.
+
+One table, `FAMILIES`, holds a line per family: its name, where its family class lives (imported
+when a process first asks for it, so a service imports only the family it serves, and then only
+its light family.py; runners load with a stage) and the model directories it serves. A family
+outside omnistage (a plugin's, a test's) is registered with the same line in a module of its own,
+named by the `OMNISTAGE_FAMILIES` environment variable: every process of a cluster inherits it."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
-from collections.abc import Callable
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument, NotFound
 from omni_common.models.base import ModelFamily
 
 
-def _qwenimage() -> ModelFamily:
-    from omni_common.models.qwenimage.family import QwenImageFamily
+@dataclass(frozen=True)
+class FamilyEntry:
+    """One registered family: its name, its family class as "module:Class", and the model
+    directories it serves: diffusers pipeline classes (model_index.json `_class_name`) and
+    transformers model types (config.json `model_type`, read where there is no model_index.json)."""
 
-    return QwenImageFamily()
-
-
-def _glm_image() -> ModelFamily:
-    from omni_common.models.glm_image.family import GlmImageFamily
-
-    return GlmImageFamily()
-
-
-def _qwen_omni() -> ModelFamily:
-    from omni_common.models.qwen_omni.family import QwenOmniFamily
-
-    return QwenOmniFamily()
+    name: str
+    family: str
+    pipeline_classes: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
 
 
-# name -> factory; imports stay lazy so a service only imports the family it serves.
-_FAMILIES: dict[str, Callable[[], ModelFamily]] = {
-    "qwenimage": _qwenimage,
-    "glm-image": _glm_image,
-    "qwen2.5-omni": _qwen_omni,
-}
-# diffusers pipeline class (model_index.json "_class_name") -> family name
-_PIPELINE_CLASSES = {"QwenImagePipeline": "qwenimage", "GlmImagePipeline": "glm-image"}
-# transformers model type (config.json "model_type") of a directory without model_index.json
-_MODEL_TYPES = {"qwen2_5_omni": "qwen2.5-omni"}
+FAMILIES = (
+    FamilyEntry("qwenimage", "omni_common.models.qwenimage.family:QwenImageFamily", ("QwenImagePipeline",)),
+    FamilyEntry("glm-image", "omni_common.models.glm_image.family:GlmImageFamily", ("GlmImagePipeline",)),
+    FamilyEntry(
+        "qwen2.5-omni", "omni_common.models.qwen_omni.family:QwenOmniFamily", model_types=("qwen2_5_omni",)
+    ),
+)
+# Families registered from outside: comma-separated "module:attribute" references, each to a
+# FamilyEntry, e.g. OMNISTAGE_FAMILIES=my_plugin.family:ENTRY.
+FAMILIES_ENV = "OMNISTAGE_FAMILIES"
+
+
+def registered() -> tuple[FamilyEntry, ...]:
+    """The built-in families, then those OMNISTAGE_FAMILIES names (read on each call)."""
+    return _entries(os.environ.get(FAMILIES_ENV, ""))
+
+
+@functools.cache
+def _entries(extra: str) -> tuple[FamilyEntry, ...]:
+    entries = FAMILIES + tuple(_entry(ref.strip()) for ref in extra.split(",") if ref.strip())
+    # A name, pipeline class or model type claimed twice would make the choice depend on order.
+    for claims in (
+        [entry.name for entry in entries],
+        [c for entry in entries for c in entry.pipeline_classes],
+        [t for entry in entries for t in entry.model_types],
+    ):
+        twice = sorted({claim for claim in claims if claims.count(claim) > 1})
+        if twice:
+            raise ValueError(f"{FAMILIES_ENV}: {', '.join(twice)} registered twice")
+    return entries
+
+
+def _resolve(ref: str) -> object:
+    """The object a "module:attribute" reference names."""
+    module, _, attribute = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"model family {ref!r} cannot be imported: {exc}") from exc
+
+
+def _entry(ref: str) -> FamilyEntry:
+    entry = _resolve(ref)
+    if not isinstance(entry, FamilyEntry):
+        raise ValueError(f"{FAMILIES_ENV}: {ref!r} is not a FamilyEntry")
+    return entry
 
 
 def family_names() -> list[str]:
     """The registered family names, sorted."""
-    return sorted(_FAMILIES)
+    return sorted(entry.name for entry in registered())
 
 
 def get_family(name: str) -> ModelFamily:
@@ -55,11 +92,23 @@ def get_family(name: str) -> ModelFamily:
     return family
 
 
-@functools.cache
 def find_family(name: str) -> ModelFamily | None:
     """The family registered under `name` (one instance per process), None for an unknown name."""
-    factory = _FAMILIES.get(name)
-    return factory() if factory is not None else None
+    entry = next((entry for entry in registered() if entry.name == name), None)
+    return _instance(entry) if entry is not None else None
+
+
+@functools.cache
+def _instance(entry: FamilyEntry) -> ModelFamily:
+    factory = _resolve(entry.family)
+    if not callable(factory):
+        raise ValueError(f"model family {entry.family!r} is not a class")
+    family: ModelFamily = factory()
+    if family.name != entry.name:
+        raise ValueError(
+            f"model family {entry.family!r} is named {family.name!r}, registered as {entry.name!r}"
+        )
+    return family
 
 
 def family_for_model_dir(model_dir: Path) -> ModelFamily:
@@ -74,8 +123,9 @@ def family_for_model_dir(model_dir: Path) -> ModelFamily:
             raise InvalidArgument(
                 f"model {model_name_for_dir(model_dir)!r}: config.json is not valid"
             ) from exc
-        if model_type in _MODEL_TYPES:
-            return get_family(_MODEL_TYPES[model_type])
+        entry = next((entry for entry in registered() if model_type in entry.model_types), None)
+        if entry is not None:
+            return _instance(entry)
     try:
         class_name = json.loads(index.read_text())["_class_name"]
     except FileNotFoundError as exc:
@@ -87,13 +137,14 @@ def family_for_model_dir(model_dir: Path) -> ModelFamily:
         raise InvalidArgument(
             f"model {model_name_for_dir(model_dir)!r}: model_index.json lacks a valid _class_name"
         ) from exc
-    name = _PIPELINE_CLASSES.get(class_name)
-    if name is None:
+    entry = next((entry for entry in registered() if class_name in entry.pipeline_classes), None)
+    if entry is None:
+        supported = sorted(c for entry in registered() for c in entry.pipeline_classes)
         raise NotFound(
             f"model {model_name_for_dir(model_dir)!r} is a {class_name}, which no model family "
-            f"serves; supported: {', '.join(sorted(_PIPELINE_CLASSES))}"
+            f"serves; supported: {', '.join(supported)}"
         )
-    return get_family(name)
+    return _instance(entry)
 
 
 def model_name_for_dir(model_dir: Path) -> str:

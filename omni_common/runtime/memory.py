@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from omni_common.models.base import MODULE_ROLES as ROLES
-from omni_common.models.base import ModuleDeclaration
+from omni_common.models.module_layout import MODULE_ROLES as ROLES
+from omni_common.models.module_layout import ModuleDeclaration
 from omni_common.runtime.packing import Packed, pack_chunks, unpack
 
 log = logging.getLogger("omnistage.memory")

@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from omni_common.runtime.config import STAGES
+from omni_common.stages import STAGES
 
 if TYPE_CHECKING:  # (the step scheduler brings torch, which a service without a model lacks)
     from omni_common.runtime.step_scheduler import StepTotals

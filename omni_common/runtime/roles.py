@@ -24,24 +24,27 @@ from omni_common.models.base import (
     RoleSpec,
     StageState,
     StepRunner,
-    SupportsPrefixCache,
 )
+from omni_common.models.capabilities import SupportsPrefixCache
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
+from omni_common.stages import MAX_BATCH, MAX_QUEUE
 
 
 @dataclass(frozen=True)
 class RoleLimits:
     """The stage's batching flags, as every handler of the replica applies them."""
 
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: int = MAX_BATCH
+    max_queue: int = MAX_QUEUE
     batch_window_s: float = 0.0
     max_step_cost: int = 65536  # StepScheduler: compute units per step (--max-tokens)
     max_batch_cost: int = 0  # MicroBatcher: cost units per batch, 0 = none (--max-batch-pixels)
 
 
 class RoleHandler(Protocol):
+    streams: bool  # takes streamed inputs (a streaming step-wise role)
+
     def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]: ...
 
     def load(self) -> int:
@@ -53,6 +56,8 @@ class RoleHandler(Protocol):
 
 class BatchRole:
     """A BatchRunner behind a MicroBatcher on the compute thread."""
+
+    streams = False
 
     def __init__(self, name: str, runner: BatchRunner, compute: Compute, limits: RoleLimits) -> None:
         self.runner = runner
@@ -133,6 +138,8 @@ class StepRole:
 
 class AsyncRole:
     """An AsyncRunner, called directly."""
+
+    streams = False
 
     def __init__(self, runner: AsyncRunner) -> None:
         self.runner = runner

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from omni_common.models.base import SequenceParallelPlan
+from omni_common.models.module_layout import SequenceParallelPlan
 
 Branch = Callable[[], torch.Tensor]
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from omni_common.transport.arena import close_map, create_segment, segment_path
-from omni_common.transport.leases import QUEUE_MAGIC
+from omni_common.transport.lease_table import QUEUE_MAGIC
 from omni_common.transport.owner import STAMP, stamp
 
 # The owner's stamp (a dead owner's queue is swept), write position (u64), read position (u64)

@@ -9,9 +9,10 @@ worker; errors become gRPC statuses here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Protocol
 
@@ -26,7 +27,7 @@ from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.models.model_defaults import ModelDefaults
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
-from omni_common.runtime.feeds import Chunk, Feeds
+from omni_common.runtime.feeds import Chunk, Feeds, Inbox
 from omni_common.runtime.memory import Transition
 from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.registration import deregister, keep_registered
@@ -216,63 +217,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             if request.streaming:  # first, so that Feed calls find it however early they come
                 check_request_id(request.request_id)
                 inbox = self.feeds.open(rid, request.role)
-            gen = self._check(request)
-            await self.worker.ensure_awake()
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(f"request {rid}: the deadline passed before {self.worker.stage}")
-            tensors, meta = await self.transport.import_state(request.input)
-            check_finite(tensors)
-            gen = self._with_images(gen, tensors)
-            resume = None
-            if request.HasField("resume"):
-                resume = StageState(*await self.transport.import_state(request.resume))
-                check_finite(resume.tensors)
-            started = time.perf_counter()
-            outputs = frozenset(request.outputs)
+            call = await self._call(request, context, inbox)
             consumer = Consumer(
                 request.consumer_host_id, request.consumer_ipc_namespace, request.consumer_gpu_uuid
             )
-            call = StageCall(
-                request_id=rid,
-                request=gen,
-                inputs=StageState(tensors, meta),
-                role=request.role,
-                outputs=outputs,
-                progress_every=request.progress_every,
-                preview_every=request.preview_every,
-                deadline=None if remaining is None else time.monotonic() + remaining,
-                checkpoint_every=request.checkpoint_every,
-                resume=resume,
-                inbox=inbox,
-                followers=request.followers,
-            )
-            async for item in self.worker.run(call):
-                if isinstance(item, Progress):
-                    yield stage_pb2.StageEvent(step=self._step_event(item, consumer))
-                    continue
-                compute_ms = (time.perf_counter() - started) * 1e3
-                output = self.transport.export_state(
-                    _select(item.tensors, outputs, self.worker.stage), item.meta, consumer=consumer
-                )
-                try:
-                    # Inputs mapped from the GPU memory of the previous stage are released
-                    # when the coordinator hears this result: the reads must have run.
-                    await self.transport.finish_imports(
-                        [
-                            *tensors.values(),
-                            *(resume.tensors.values() if resume is not None else []),
-                            *(inbox.imported if inbox is not None else []),
-                        ]
-                    )
-                    yield stage_pb2.StageEvent(
-                        result=stage_pb2.StageResult(output=output, compute_ms=compute_ms)
-                    )
-                except BaseException:
-                    # Nobody will ever hear of these leases: free them now, not at TTL.
-                    self.transport.release(self.transport.lease_ids(output))
-                    raise
-                self.transport.sent(rid, self.transport.lease_ids(output))
+            # Closed here, at once, when the caller goes away: its unsent result is then freed.
+            async with contextlib.aclosing(self._events(call, consumer)) as events:
+                async for event in events:
+                    yield event
             code = grpc.StatusCode.OK
         except OmniError as err:
             code = err.code
@@ -297,6 +249,68 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 self.feeds.close(rid, request.role)
             self.worker.in_flight -= 1
             self.metrics.requests.finished(code)
+
+    async def _call(
+        self, request: stage_pb2.StageRequest, context: grpc.aio.ServicerContext, inbox: Inbox | None
+    ) -> StageCall:
+        """The request checked, the worker awake and the inputs imported: the call to run."""
+        rid = request.request_id[:128]
+        gen = self._check(request)
+        await self.worker.ensure_awake()
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded(f"request {rid}: the deadline passed before {self.worker.stage}")
+        tensors, meta = await self.transport.import_state(request.input)
+        check_finite(tensors)
+        gen = self._with_images(gen, tensors)
+        resume = None
+        if request.HasField("resume"):
+            resume = StageState(*await self.transport.import_state(request.resume))
+            check_finite(resume.tensors)
+        return StageCall(
+            request_id=rid,
+            request=gen,
+            inputs=StageState(tensors, meta),
+            role=request.role,
+            outputs=frozenset(request.outputs),
+            progress_every=request.progress_every,
+            preview_every=request.preview_every,
+            deadline=None if remaining is None else time.monotonic() + remaining,
+            checkpoint_every=request.checkpoint_every,
+            resume=resume,
+            inbox=inbox,
+            followers=request.followers,
+        )
+
+    async def _events(
+        self, call: StageCall, consumer: Consumer
+    ) -> AsyncGenerator[stage_pb2.StageEvent, None]:
+        """The worker's progress and results as events, each result exported for `consumer`."""
+        started = time.perf_counter()
+        async for item in self.worker.run(call):
+            if isinstance(item, Progress):
+                yield stage_pb2.StageEvent(step=self._step_event(item, consumer))
+                continue
+            compute_ms = (time.perf_counter() - started) * 1e3
+            output = self.transport.export_state(
+                _select(item.tensors, call.outputs, self.worker.stage), item.meta, consumer=consumer
+            )
+            try:
+                # Inputs mapped from the GPU memory of the previous stage are released
+                # when the coordinator hears this result: the reads must have run.
+                await self.transport.finish_imports(
+                    [
+                        *call.inputs.tensors.values(),
+                        *(call.resume.tensors.values() if call.resume is not None else []),
+                        *(call.inbox.imported if call.inbox is not None else []),
+                    ]
+                )
+                yield stage_pb2.StageEvent(result=stage_pb2.StageResult(output=output, compute_ms=compute_ms))
+            except BaseException:
+                # Nobody will ever hear of these leases: free them now, not at TTL.
+                self.transport.release(self.transport.lease_ids(output))
+                raise
+            self.transport.sent(call.request_id, self.transport.lease_ids(output))
 
     async def Feed(
         self, request: stage_pb2.FeedRequest, context: grpc.aio.ServicerContext
@@ -355,24 +369,7 @@ async def serve_stage(
         outer = stop
         background.append(asyncio.create_task(_relay(outer, stopping)))
 
-    async def lost(reason: str) -> None:
-        """A device worker died: the replica serves nothing more. Its calls in flight have
-        failed with UNAVAILABLE (the coordinator resumes them elsewhere); health turns
-        NOT_SERVING at once, then the usual drain deregisters it and waits until the
-        coordinator has fetched and released what it holds here (checkpoints), and the
-        process exits with an error, so its supervisor starts it again."""
-        log.error("%s: %s; the replica stops serving", config.stage, reason)
-        servicer.down = f"lost a device worker ({reason})"
-        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        stopping.set()
-
-    if hasattr(worker, "on_lost"):
-        loop = asyncio.get_running_loop()
-
-        def on_lost(reason: str) -> None:  # from the group's watcher thread
-            loop.call_soon_threadsafe(lambda: background.append(loop.create_task(lost(reason))))
-
-        worker.on_lost = on_lost
+    _stop_when_lost(worker, servicer, health_servicer, stopping, background)
 
     def cleanup() -> None:
         for task in background:
@@ -398,6 +395,35 @@ async def serve_stage(
     )
     if servicer.down:
         raise SystemExit(f"{config.stage}: {servicer.down}")
+
+
+def _stop_when_lost(
+    worker: StageWorker,
+    servicer: StageServicer,
+    health_servicer: health.aio.HealthServicer,
+    stopping: asyncio.Event,
+    background: list[asyncio.Task[None]],
+) -> None:
+    """Where the worker spreads over device worker processes: when one dies, the replica
+    serves nothing more. Its calls in flight have failed with UNAVAILABLE (the coordinator
+    resumes them elsewhere); health turns NOT_SERVING at once, then the usual drain
+    deregisters it and waits until the coordinator has fetched and released what it holds
+    here (checkpoints), and the process exits with an error, so its supervisor starts it
+    again."""
+
+    async def lost(reason: str) -> None:
+        log.error("%s: %s; the replica stops serving", worker.stage, reason)
+        servicer.down = f"lost a device worker ({reason})"
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        stopping.set()
+
+    if hasattr(worker, "on_lost"):
+        loop = asyncio.get_running_loop()
+
+        def on_lost(reason: str) -> None:  # from the group's watcher thread
+            loop.call_soon_threadsafe(lambda: background.append(loop.create_task(lost(reason))))
+
+        worker.on_lost = on_lost
 
 
 async def _relay(source: asyncio.Event, target: asyncio.Event) -> None:

@@ -3,16 +3,13 @@ denoising loop, an autoregressive model's token generation.
 
 Requests join and leave between any two steps. Each iteration:
 1. drops jobs whose caller went away or whose deadline passed;
-2. takes the oldest job and, in arrival order, the other jobs with its batch key (e.g. same
-   resolution, CFG, dtype) up to `max_batch` jobs and `max_tokens` compute units per step
-   (the runner's `step_cost`: image tokens x CFG passes for a DiT, 1 for a token);
+2. picks the next batch: the oldest job's batch key group, first come, first served, within
+   `max_batch` jobs and `max_tokens` compute units (the choices are step_policy.py's, pure);
 3. runs one step for all of them in one forward (the runner batches), then reports
    progress and retires the finished ones.
-Serving the oldest job's group first keeps it first come, first served: a request waits
-at most for the requests that arrived before it, never for a stream of later ones.
 A step that fails is retried job by job, so one bad request fails alone.
 
-A streaming runner (omni_common.models.base.StreamingRunner) also sends each job's output
+A streaming runner (omni_common.models.capabilities.StreamingRunner) also sends each job's output
 in chunks as it is made (a progress event carrying the chunk after the step that made it), and
 takes a streaming call's later input chunks from its inbox between steps; a job steps only when
 it is `ready` (its next step's input has arrived), so a waiting job never holds up others, and
@@ -37,76 +34,24 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, Unavailable
-from omni_common.imaging import to_png
-from omni_common.models.base import StageState, StepRunner, StepState, StreamingRunner
+from omni_common.models.base import StageState, StepRunner, StepState
+from omni_common.models.capabilities import HasIdleWork, StreamingRunner
 from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
+from omni_common.runtime.step_jobs import Event, Job, Launched, advance, joined, log_steps, preview_png
+from omni_common.runtime.step_policy import ADMIT_WAIT_S, Queued, StepLimits, StepPlan, plan_step
+from omni_common.stages import MAX_BATCH, MAX_QUEUE
 
 log = logging.getLogger("omnistage.steps")
 IDLE_CHECK_S = 0.5  # while every job waits for input: how often deadlines are checked
-# A batch of requests that have not stepped yet waits at most this long (from the first one's
-# admission) for requests still being admitted: joining a step later, each would make every
-# request ahead of it pay one more forward (4 requests sent together: 3 forwards for 3 steps,
-# not 4). Requests that reach the stage in waves are gathered by their calls' followers
-# (below) or by --batch-window-ms.
-ADMIT_WAIT_S = 0.05
-# A batch of requests that have not stepped yet, whose calls say more like them are on their
-# way (StageCall.followers: a burst the encoder takes in waves), waits for them at most this
-# long from the first one's admission: every wave that joins a step later makes the requests
-# ahead of it pay one more forward. Followers routed to another replica cost this wait once.
-FOLLOWERS_WAIT_S = 0.2
 T = TypeVar("T")
 Compute = Callable[..., Awaitable[Any]]
-
-Event = Progress | StageState | OmniError
-
-
-@dataclass(eq=False)
-class Job:
-    call: StageCall
-    state: StepState
-    cost: int  # compute units of one step
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    gone: bool = False  # the caller stopped listening (cancelled, disconnected, done)
-    pump: asyncio.Task[None] | None = None  # moves a streaming call's input chunks in
-    partial: StageState | None = None  # the chunk its last step made (streaming runners)
-    last_step: float = 0.0  # time.monotonic() of its last step; 0 before the first
-    finishing: bool = False  # its last launched step finished it: never step it again
-    admitted: float = field(default_factory=time.monotonic)
-    waiting: Any = tracing.NO_SPAN  # its wait for its first step (tracing.start)
-    steps_ms: list[float] = field(default_factory=list)  # each step's time (device time on a GPU)
-    batches: list[int] = field(default_factory=list)  # the batch size of each of its steps
-
-    def end_wait(self) -> None:
-        self.waiting.end()
-        self.waiting = tracing.NO_SPAN
-
-
-@dataclass(eq=False)
-class Launched:
-    """One step launched for `jobs`, and what their reports need once it has completed: the
-    step each job reached, its NaN flag (maybe still on the device), its checkpoint."""
-
-    jobs: list[Job]
-    done: list[int]
-    finished: list[bool]  # the step was the job's last (runner.is_done after it)
-    finite: list[bool | torch.Tensor]
-    checkpoints: list[StageState | None]
-    previews: list[bool]  # a preview is due: the step completes before the next launch
-    started_at: float  # time.perf_counter() at launch
-    start: torch.cuda.Event | None = None  # device events around the step (CUDA only)
-    end: torch.cuda.Event | None = None
-
-    @property
-    def wait(self) -> bool:
-        """Complete it before launching the next: a preview reads the state."""
-        return any(self.previews)
 
 
 @dataclass
@@ -118,17 +63,12 @@ class StepTotals:
     steps: int = 0
     device_s: float = 0.0
     idle_s: float = 0.0
-    idle_work_left: int = 0  # units of the runner's idle work still to do (idle_work_left)
+    idle_work_left: int = 0  # units of the runner's idle work still to do (HasIdleWork)
     # A generator's prompt-prefix cache (SupportsPrefixCache): lookups that reused a prefix,
     # lookups that found none, and the bytes it holds.
     prefix_hits: int = 0
     prefix_misses: int = 0
     prefix_bytes: int = 0
-
-
-def _preview_png(runner: StepRunner, state: StepState) -> bytes:
-    picture = runner.preview(state)
-    return b"" if picture is None else to_png(picture)
 
 
 class StepScheduler:
@@ -137,9 +77,9 @@ class StepScheduler:
         runner: StepRunner,
         compute: Compute,
         *,
-        max_batch: int = 8,
+        max_batch: int = MAX_BATCH,
         max_tokens: int = 65536,
-        max_queue: int = 64,
+        max_queue: int = MAX_QUEUE,
         name: str = "dit-denoise",
         device: torch.device | None = None,
         overlap: bool | None = None,
@@ -147,11 +87,14 @@ class StepScheduler:
         admit_wait_s: float = ADMIT_WAIT_S,
     ) -> None:
         self.runner = runner
-        self.admit_wait_s = admit_wait_s
         self.name = name
         self.compute = compute
-        self.max_batch = max_batch
-        self.max_tokens = max_tokens
+        self.limits = StepLimits(
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            batch_window_s=batch_window_s,
+            admit_wait_s=admit_wait_s,
+        )
         self.max_queue = max_queue
         self.jobs: list[Job] = []  # in arrival order
         self.step_ms = 0.0  # duration of the last step, for retry hints
@@ -159,17 +102,12 @@ class StepScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._left: list[StepState] = []  # states of jobs that left unfinished, to release
-        self.streaming: StreamingRunner | None = (
-            runner if hasattr(runner, "take_partial") else None  # type: ignore[assignment]
-        )
+        self.streaming: StreamingRunner | None = runner if isinstance(runner, StreamingRunner) else None
         # Device events time the steps on a GPU; `overlap` defaults to on there (see above).
         self.timed = device is not None and device.type == "cuda"
         self.overlap = (self.timed if overlap is None else overlap) and self.streaming is None
         self.totals = StepTotals()
         self._admitting = 0  # requests whose state is being prepared, about to join
-        # --batch-window-ms: a batch of new requests waits this long for company even when
-        # none is being admitted (requests that reach this stage in waves: throughput for latency).
-        self.batch_window_s = batch_window_s
         self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
         self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
         self._idle_ok = True  # the runner's idle work has not failed
@@ -199,7 +137,7 @@ class StepScheduler:
         # ones of it are admitted.
         held = len(self.jobs) + self._admitting
         if held >= self.max_queue:
-            wait_ms = max(1, round(self.queued_steps() / self.max_batch * self.step_ms))
+            wait_ms = max(1, round(self.queued_steps() / self.limits.max_batch * self.step_ms))
             raise ResourceExhausted(
                 f"{self.name} is at capacity ({held} requests); retry in about {wait_ms} ms",
                 retry_after_ms=wait_ms,
@@ -265,11 +203,15 @@ class StepScheduler:
     async def _loop(self) -> None:
         in_flight: Launched | None = None  # launched, not yet reported (overlap)
         while True:
-            self._drop_dead()
-            await self._release_left(in_flight)
-            ready = [job for job in self.jobs if self._ready(job)]
-            batch = self._pick(ready) if ready else []
-            if in_flight is None and await self._waited_for_company(batch):
+            jobs, plan = list(self.jobs), self._plan()
+            self._drop(jobs, plan)
+            if await self._release_left(in_flight):
+                continue  # jobs may have come or changed meanwhile: plan again
+            batch = [jobs[i] for i in plan.batch]
+            if in_flight is None and plan.wait_s > 0:  # wait for company, then plan again
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), plan.wait_s)
                 continue
             launched = await self._launch(batch) if batch else None
             if in_flight is not None:
@@ -278,7 +220,7 @@ class StepScheduler:
             if launched is not None and (launched.wait or not self.overlap):
                 await self._complete(launched)
                 in_flight = None
-            if in_flight is not None or ready:
+            if in_flight is not None or batch:
                 continue
             self._wake.clear()
             if not self.jobs:
@@ -290,14 +232,14 @@ class StepScheduler:
                     await asyncio.wait_for(self._wake.wait(), IDLE_CHECK_S)
 
     async def _idle_work(self) -> bool:
-        """One unit of the runner's idle work (its optional `idle_work`, e.g. a CUDA graph of a
-        common shape captured ahead) while no request is here or being admitted; True when it
-        did some. A request that arrives meanwhile waits for that one unit at most."""
-        idle = getattr(self.runner, "idle_work", None)
-        if idle is None or self.jobs or self._admitting or not self._idle_ok:
+        """One unit of the runner's idle work (HasIdleWork: e.g. a CUDA graph of a common shape
+        captured ahead) while no request is here or being admitted; True when it did some. A
+        request that arrives meanwhile waits for that one unit at most."""
+        runner = self.runner
+        if not isinstance(runner, HasIdleWork) or self.jobs or self._admitting or not self._idle_ok:
             return False
         try:
-            done = bool(await self.compute(idle))
+            done = bool(await self.compute(runner.idle_work))
         except Exception:
             log.exception("%s: idle work failed; no more of it", self.name)
             self._idle_ok = False
@@ -306,44 +248,45 @@ class StepScheduler:
         return done
 
     def _count_idle_work(self) -> None:
-        left = getattr(self.runner, "idle_work_left", None)
-        self.totals.idle_work_left = left() if left is not None else 0
+        runner = self.runner
+        self.totals.idle_work_left = runner.idle_work_left() if isinstance(runner, HasIdleWork) else 0
 
-    async def _waited_for_company(self, batch: list[Job]) -> bool:
-        """Wait when `batch` has room and has not stepped yet, while other requests are being
-        admitted (up to `admit_wait_s`), while followers its calls announced have not come (up
-        to FOLLOWERS_WAIT_S) or within the batch window: they start in the same forward
-        instead of one later. True when it waited (the batch is to be picked again)."""
-        window = max(self.batch_window_s, self.admit_wait_s if self._admitting else 0.0)
-        expected = max((i + 1 + job.call.followers for i, job in enumerate(batch)), default=0)
-        if len(batch) < min(expected, self.max_batch):
-            window = max(window, FOLLOWERS_WAIT_S)
-        if not batch or not window or self.streaming is not None or len(batch) >= self.max_batch:
-            return False
-        if any(job.state.step_index for job in batch):
-            return False
-        remaining = window - (time.monotonic() - min(job.admitted for job in batch))
-        if remaining <= 0:
-            return False
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), remaining)
-        return True
+    def _plan(self) -> StepPlan:
+        """step_policy's plan for the jobs as they are now."""
+        return plan_step(
+            [self._queued(job) for job in self.jobs],
+            self.limits,
+            now=time.monotonic(),
+            admitting=self._admitting,
+            streaming=self.streaming is not None,
+        )
 
-    def _drop_dead(self) -> None:
-        now = time.monotonic()
-        for job in list(self.jobs):
-            if job.gone:
-                self.jobs.remove(job)
-                self._left.append(job.state)
-            elif job.call.deadline is not None and now >= job.call.deadline:
-                self.jobs.remove(job)
-                state = job.state
-                self._left.append(state)
+    def _queued(self, job: Job) -> Queued:
+        ready = not job.gone and self._ready(job)
+        return Queued(
+            key=self.runner.batch_key(job.state) if ready else None,
+            cost=job.cost,
+            admitted=job.admitted,
+            ready=ready,
+            step_index=job.state.step_index,
+            last_step=job.last_step,
+            followers=job.call.followers,
+            deadline=job.call.deadline,
+            gone=job.gone,
+        )
+
+    def _drop(self, jobs: list[Job], plan: StepPlan) -> None:
+        """Jobs whose caller went away leave; jobs past their deadline fail with DEADLINE_EXCEEDED."""
+        expired = set(plan.expired)
+        for i in sorted((*plan.gone, *plan.expired)):
+            job = jobs[i]
+            self.jobs.remove(job)
+            self._left.append(job.state)
+            if i in expired:
                 job.events.put_nowait(
                     DeadlineExceeded(
                         f"request {job.call.request_id}: the deadline passed at step "
-                        f"{state.step_index}/{state.total_steps}; dropped before more compute"
+                        f"{job.state.step_index}/{job.state.total_steps}; dropped before more compute"
                     )
                 )
 
@@ -354,68 +297,13 @@ class StepScheduler:
             return False
         return self.streaming is None or self.streaming.ready(job.state)
 
-    def _pick(self, ready: list[Job]) -> list[Job]:
-        if self.streaming is not None:
-            # A stream's latency is per chunk: the job that stepped longest ago goes first
-            # (arrival order among equals), so a long stream never starves a newer one's start.
-            ready = sorted(ready, key=lambda job: job.last_step)
-        oldest = ready[0]
-        key = self.runner.batch_key(oldest.state)
-        batch, cost = [oldest], oldest.cost
-        for job in ready[1:]:
-            if len(batch) >= self.max_batch:
-                break
-            if self.runner.batch_key(job.state) == key and cost + job.cost <= self.max_tokens:
-                batch.append(job)
-                cost += job.cost
-        return batch
-
-    def _advance(self, batch: list[Job]) -> Launched:
-        """One step on the compute thread, and what its reports will need: (streaming) the
-        chunks it made, the NaN flags and checkpoints, the device events around it. Nothing
-        here waits for the device, except a streaming runner reading its tokens."""
-        started_at, start, end = time.perf_counter(), None, None
-        if self.timed:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-        self.runner.step([job.state for job in batch])
-        for job in batch:
-            job.finishing = self.runner.is_done(job.state)
-        if self.streaming is not None:
-            for job in batch:
-                job.partial = self.streaming.take_partial(job.state)
-        launched = Launched(
-            jobs=batch,
-            done=[job.state.step_index for job in batch],
-            finished=[job.finishing for job in batch],
-            finite=_on_host([self.runner.is_finite(job.state) for job in batch]),
-            checkpoints=[self._checkpoint_due(job) for job in batch],
-            previews=[self._preview_due(job) for job in batch],
-            started_at=started_at,
-        )
-        if self.timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            launched.start, launched.end = start, end
-        return launched
-
-    def _checkpoint_due(self, job: Job) -> StageState | None:
-        every, done = job.call.checkpoint_every, job.state.step_index
-        if every and done % every == 0 and done < job.state.total_steps:
-            return self.runner.checkpoint(job.state)
-        return None
-
-    def _preview_due(self, job: Job) -> bool:
-        every, done = job.call.preview_every, job.state.step_index
-        return bool(every) and (done % every == 0 or done == job.state.total_steps)
-
     async def _launch(self, batch: list[Job]) -> Launched | None:
         """Launch one step for `batch`; a step that fails is retried job by job, so one bad
         request fails alone. None when no job stepped."""
         for job in batch:
             job.end_wait()
         try:
-            return await self.compute(self._advance, batch)
+            return await self.compute(advance, self.runner, batch, self.streaming, self.timed)
         except Unavailable as lost:  # the replica cannot step at all (a device worker died)
             for job in batch:
                 self._retire(job, lost)
@@ -426,7 +314,7 @@ class StepScheduler:
                 return None
             log.warning("a step of %d requests failed; retrying them one by one", len(batch))
             parts = [await self._launch([job]) for job in batch]
-            return _joined([part for part in parts if part is not None])
+            return joined([part for part in parts if part is not None])
 
     async def _complete(self, launched: Launched) -> None:
         """Wait for a launched step to end on the device, then report it: NaN checks,
@@ -489,16 +377,19 @@ class StepScheduler:
             self._left.append(job.state)
         job.events.put_nowait(event)
 
-    async def _release_left(self, in_flight: Launched | None) -> None:
+    async def _release_left(self, in_flight: Launched | None) -> bool:
         """Free what unfinished jobs held (a KV slot), between steps: no step uses them then
-        (a state in the step still on the device waits for the next round)."""
+        (a state in the step still on the device waits for the next round). True when it
+        released any (it waited for the compute thread)."""
         busy = {id(job.state) for job in in_flight.jobs} if in_flight is not None else set()
-        for state in [state for state in self._left if id(state) not in busy]:
+        free = [state for state in self._left if id(state) not in busy]
+        for state in free:
             self._left.remove(state)
             try:
                 await self.compute(self.runner.release, state)
             except Exception:
                 log.exception("%s: releasing a request's state failed", self.name)
+        return bool(free)
 
     async def _report(self, job: Job, launched: Launched, i: int) -> None:
         """Progress after the launched step of `job`, its i-th (its chunk, checkpoint, preview
@@ -510,12 +401,12 @@ class StepScheduler:
         if done % every == 0 or done == state.total_steps or checkpoint is not None or partial is not None:
             progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
             if launched.previews[i]:  # its step was completed before the next launch
-                progress.preview_png = await self.compute(_preview_png, self.runner, state)
+                progress.preview_png = await self.compute(preview_png, self.runner, state)
             progress.checkpoint = checkpoint
             job.events.put_nowait(progress)
         if launched.finished[i]:
             self.jobs.remove(job)
-            _log_steps(self.name, job)
+            log_steps(self.name, job)
             try:
                 result = await self.compute(self.runner.finish, state)
             except Exception:
@@ -524,60 +415,3 @@ class StepScheduler:
             if (together := sum(launched.finished)) > 1:
                 result.meta[FINISHED_WITH] = str(together - 1)
             job.events.put_nowait(result)
-
-
-def _log_steps(name: str, job: Job) -> None:
-    """Where a finished request's steps went: its first step (a new shape's compile or graph
-    capture shows there), the median of the rest, and the batches it stepped in."""
-    steps = job.steps_ms
-    later = sorted(steps[1:]) or steps
-    log.info(
-        "request %s: %d steps on %s in %.0f ms: first %.1f ms, median %.1f ms; batches %s",
-        job.call.request_id,
-        len(steps),
-        name,
-        sum(steps),
-        steps[0],
-        later[len(later) // 2],
-        _runs(job.batches),
-    )
-
-
-def _runs(sizes: list[int]) -> str:
-    """Batch sizes as runs: [1, 8, 8, 8] -> "1, 8x3"."""
-    runs: list[list[int]] = []
-    for size in sizes:
-        if runs and runs[-1][0] == size:
-            runs[-1][1] += 1
-        else:
-            runs.append([size, 1])
-    return ", ".join(f"{size}x{count}" if count > 1 else str(size) for size, count in runs)
-
-
-def _on_host(flags: list[bool | torch.Tensor]) -> list[bool | torch.Tensor]:
-    """NaN flags as host values; flags on a GPU are copied into pinned memory without waiting
-    (valid once the step's end event, recorded after the copy, has passed): reading a device
-    value directly would wait for every step queued behind it."""
-    if not flags or not all(isinstance(f, torch.Tensor) and f.is_cuda for f in flags):
-        return [bool(flag) for flag in flags]
-    device = torch.stack([torch.as_tensor(flag).reshape(()) for flag in flags])
-    host = torch.empty(device.shape, dtype=torch.bool, pin_memory=True)
-    host.copy_(device, non_blocking=True)
-    return list(host)
-
-
-def _joined(parts: list[Launched]) -> Launched | None:
-    """Steps launched one job at a time (after a batch failed), reported as one."""
-    if not parts:
-        return None
-    return Launched(
-        jobs=[job for part in parts for job in part.jobs],
-        done=[done for part in parts for done in part.done],
-        finished=[f for part in parts for f in part.finished],
-        finite=[flag for part in parts for flag in part.finite],
-        checkpoints=[c for part in parts for c in part.checkpoints],
-        previews=[p for part in parts for p in part.previews],
-        started_at=parts[0].started_at,
-        start=parts[0].start,
-        end=parts[-1].end,
-    )

@@ -31,7 +31,7 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
-from omni_common.models.lora import LoraInfo, LoraLayers, check_name
+from omni_common.models.capabilities import CachesFromWeights, HoldsCudaGraphs
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.runtime.calls import Progress, StageCall
@@ -43,19 +43,19 @@ from omni_common.runtime.hot_reload import (
     read_weights,
     weight_shapes,
 )
+from omni_common.runtime.layerwise_offload import LayerwiseOffload
+from omni_common.runtime.lora_control import LoraControl
 from omni_common.runtime.memory import StageModules, Transition, WeightSleeper, discover_modules
-from omni_common.runtime.offload import LayerwiseOffload
 from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.roles import RoleHandler, RoleLimits, StepRole, role_handler
 from omni_common.runtime.step_scheduler import StepTotals
+from omni_common.stages import STAGE_MODULE_ROLES
 from omni_common.validation import check_takes_loras
 
 T = TypeVar("T")
 log = logging.getLogger("omnistage.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The module role a stage's runner holds when its family declares none.
-STAGE_ROLES = {"ar-encoder": "encoder", "dit-denoise": "dit", "vae-decode": "vae"}
 
 
 def pick_device(name: str) -> torch.device:
@@ -68,7 +68,7 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-class Worker:
+class Worker(LoraControl):
     """One stage on one device: the family's stage model and a handler per role it serves."""
 
     def __init__(self, config: StageConfig) -> None:
@@ -119,7 +119,9 @@ class Worker:
         # The latest tensor LoadWeights gave each weight name (host memory, at most one model's
         # worth), applied again when a level-2 wake reloads the model from its directory.
         self.pushed: dict[str, torch.Tensor] = {}
-        has_weights = bool(discover_modules(self.model, self.family.modules, STAGE_ROLES[self.stage]).by_role)
+        has_weights = bool(
+            discover_modules(self.model, self.family.modules, STAGE_MODULE_ROLES[self.stage]).by_role
+        )
         self.manage_memory(
             self.model,
             reload=(lambda: self._reload_model(context)) if has_weights else None,
@@ -205,26 +207,24 @@ class Worker:
         """The model as sleep level 2 wakes it: loaded again from its directory, then the latest
         weights LoadWeights put in (kept in host memory for this)."""
         model = self._load_model(context)
-        modules = discover_modules(model, self.family.modules, STAGE_ROLES[self.stage])
+        modules = discover_modules(model, self.family.modules, STAGE_MODULE_ROLES[self.stage])
         if self.pushed:
-            copy_weights(planned_copies(modules.by_role[STAGE_ROLES[self.stage]], self.pushed))
+            copy_weights(planned_copies(modules.by_role[STAGE_MODULE_ROLES[self.stage]], self.pushed))
         return model
 
     def _copy_weights(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> WeightsLoaded:
-        """copy_weights, then each runner drops what it computed from the old values (a
-        runner's optional `weights_changed`), before any later step runs."""
+        """copy_weights, then each runner drops what it computed from the old values
+        (CachesFromWeights), before any later step runs."""
         done = copy_weights(pairs)
         for runner in self.model.runners.values():
-            changed = getattr(runner, "weights_changed", None)
-            if changed is not None:
-                changed()
+            if isinstance(runner, CachesFromWeights):
+                runner.weights_changed()
         return done
 
     def _forget_cuda_graphs(self) -> None:
         for runner in self.model.runners.values():
-            forget = getattr(runner, "forget_cuda_graphs", None)  # runners with graphs have it
-            if forget is not None:
-                forget()
+            if isinstance(runner, HoldsCudaGraphs):
+                runner.forget_cuda_graphs()
 
     def load(self) -> int:
         """The stage's load signal for routing: the sum of its roles' work."""
@@ -250,7 +250,7 @@ class Worker:
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
         handler = self.handler(call.role)
-        if call.inbox is not None and not getattr(handler, "streams", False):
+        if call.inbox is not None and not handler.streams:
             raise InvalidArgument(f"role {call.role or self.roles[0]!r} does not take streamed inputs")
         if call.request.loras:
             await self.preload_loras([name for name, _ in call.request.loras])
@@ -269,7 +269,7 @@ class Worker:
         graphs), called once they have left the device: a wake puts them elsewhere."""
         if forget_weight_addresses is not None:
             self._forget_weight_addresses = forget_weight_addresses
-        role = STAGE_ROLES[self.stage]
+        role = STAGE_MODULE_ROLES[self.stage]
         self.modules = discover_modules(runner, self.family.modules, role)
         self.weight_bytes = self.modules.weight_bytes()
 
@@ -337,64 +337,7 @@ class Worker:
         if not self.sleeper.awake or self._memory_lock.locked():
             await self.wake()
 
-    # -- LoRA adapters, weight pushes and the profiler (StageControl) ------------------------
-
-    def lora_layers(self) -> LoraLayers:
-        """The adapters of the runner that takes them; UNIMPLEMENTED when none does."""
-        for runner in self.model.runners.values():
-            layers = getattr(runner, "loras", None)
-            if isinstance(layers, LoraLayers):
-                return layers
-        raise Unimplemented(f"this {self.stage} replica's model ({self.family.name}) takes no LoRA adapters")
-
-    def lora_names(self) -> list[str]:
-        """Adapters loaded here (StageInfo.loras); any thread."""
-        try:
-            return list(self.lora_layers().names)
-        except Unimplemented:
-            return []
-
-    async def preload_loras(self, names: Sequence[str]) -> None:
-        """Read a request's adapters that are not loaded yet from the adapter directory, on the
-        file reader, and install them between steps: the compute thread never opens a file a
-        public request named (prepare's acquire then finds them loaded)."""
-        try:
-            layers = self.lora_layers()
-        except Unimplemented:  # a stage whose model takes none (the encoder, the VAE)
-            return
-        for name in names:
-            if name not in layers.names:
-                adapter = await self.files.run(layers.read_from_directory, name)
-                await self.compute(layers.install_if_absent, adapter)
-
-    async def add_lora(self, name: str, path: str, scale: float, pinned: bool) -> LoraInfo:
-        """Read and check the file on the file reader, then install it between steps."""
-        layers = self.lora_layers()
-        adapter = await self.files.run(
-            layers.read, check_name(name), Path(path), scale, pinned, self.control_root
-        )
-        info = await self.compute(layers.put, adapter)
-        log.info(
-            "%s: LoRA %s added (%s, %d modules, %d bytes)",
-            self.stage,
-            name,
-            info.source,
-            info.modules,
-            info.nbytes,
-        )
-        return info
-
-    async def remove_lora(self, name: str) -> None:
-        await self.compute(self.lora_layers().remove, name)
-        log.info("%s: LoRA %s removed", self.stage, name)
-
-    async def pin_lora(self, name: str, pinned: bool) -> LoraInfo:
-        return await self.compute(self.lora_layers().pin, name, pinned)
-
-    async def list_loras(self) -> tuple[list[LoraInfo], int, int]:
-        """(adapters, bytes they take, the bound)."""
-        layers = self.lora_layers()
-        return await self.compute(lambda: (layers.infos(), layers.nbytes, layers.max_bytes))
+    # -- weight pushes and the profiler (StageControl; LoRA adapters: lora_control.py) -------
 
     async def load_weights(self, paths: Sequence[str]) -> WeightsLoaded:
         """Copy new weights into the model between two steps (hot_reload.py)."""
@@ -402,7 +345,7 @@ class Worker:
             raise FailedPrecondition(
                 "layerwise offload keeps the blocks in host memory; LoadWeights needs them resident"
             )
-        modules = self.modules.by_role.get(STAGE_ROLES[self.stage], [])
+        modules = self.modules.by_role.get(STAGE_MODULE_ROLES[self.stage], [])
         if not modules:
             raise Unimplemented(f"this {self.stage} replica declares no weights to load")
         self._check_awake()

@@ -2,7 +2,7 @@
 chunked fetch."""
 
 from .codec import DTYPES, decode_inline, dtype_name, encode_inline
-from .leases import sweep_stale_segments
+from .lease_table import sweep_stale_segments
 from .remote import fetch_remote, release_remote
 from .route import Consumer, gpu_uuid, host_id_default, ipc_namespace
 from .store import TensorStoreServicer, add_tensor_store

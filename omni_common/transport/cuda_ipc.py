@@ -36,7 +36,7 @@ from omni_common.errors import Aborted, InvalidArgument, OmniError, PermissionDe
 from omnistage.v1 import tensor_pb2
 
 from .codec import check_header
-from .leases import CUDA_SEGMENT, parse_lease_id, read_seq
+from .lease_table import CUDA_SEGMENT, parse_lease_id, read_seq
 from .peers import PeerMaps, live_slot
 from .route import gpu_uuid, local_cuda_index
 

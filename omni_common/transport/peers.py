@@ -34,7 +34,7 @@ from omnistage.v1 import tensor_pb2
 
 from .arena import ARENA_ID_RE, close_map, segment_path
 from .codec import check_header, copy_bytes, empty_for
-from .leases import LeaseKey, Slot, capacity_of, parse_lease_id, read_seq, read_slot, short
+from .lease_table import LeaseKey, LeaseSlot, capacity_of, parse_lease_id, read_seq, read_slot, short
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _map_private(
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset - start)
 
 
-def live_slot(peers: PeerMaps, key: LeaseKey, name: str, lease_id: str) -> tuple[mmap.mmap, Slot]:
+def live_slot(peers: PeerMaps, key: LeaseKey, name: str, lease_id: str) -> tuple[mmap.mmap, LeaseSlot]:
     """The producer's lease table and the live slot `key` names; NotFound when the producer,
     the slot or the lease is unknown, or the lease has expired."""
     table = peers.get(key.token, "leases")

@@ -18,7 +18,7 @@ from omni_common.net.rpc import CHUNK_BYTES, aio_channel
 from omnistage.v1 import tensor_pb2, tensor_pb2_grpc
 
 from .codec import check_header, empty_for
-from .leases import parse_lease_id
+from .lease_table import parse_lease_id
 
 # Channels belong to the event loop that made them; keep one per (loop, address).
 _channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, grpc.aio.Channel]] = (

@@ -36,7 +36,7 @@ from omnistage.v1 import tensor_pb2
 from . import cuda_ipc
 from .arena import ShmArena
 from .codec import byte_array, copy_bytes, decode_inline, dtype_name, encode_inline, host_contiguous
-from .leases import CUDA_SEGMENT, LeaseKey, LeaseTable, parse_lease_id, short, sweep_stale_segments
+from .lease_table import CUDA_SEGMENT, LeaseKey, LeaseTable, parse_lease_id, short, sweep_stale_segments
 from .peers import PeerMaps, import_shm
 from .remote import fetch_remote
 from .route import Consumer, host_id_default, say_once, use_cuda_ipc

@@ -18,9 +18,11 @@ every few steps) and the replica's lease ends at once. When a step's
 inputs are gone (their producer died, or a cached output expired), the steps that produced
 them run again: seeded steps give the same tensors, so the image is the same.
 
-Some steps stream (streams.py): their outputs leave in chunks while they run, a step that
+Some steps stream (step_streams.py): their outputs leave in chunks while they run, a step that
 takes them as a stream starts with the first chunk and is fed the rest, and the result step's
 chunks go to the client as they come (AudioChunk), as does text any step writes (TextDelta).
+The result event is results.py's; what a failed call means (a replica lost or the request's
+own error) is failures.py's.
 """
 
 from __future__ import annotations
@@ -35,55 +37,28 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from omni_common.audio import encode_audio
-from omni_common.errors import NotFound, OmniError, Unavailable, error_from_rpc
+from omni_common.errors import NotFound, OmniError, Unavailable
 from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
 from omni_common.net import tracing
-from omni_common.net.rpc import CHUNK_BYTES
 from omni_common.runtime.calls import FINISHED_WITH
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
+from services.coordinator.failures import ReplicaLost, stage_failure
 from services.coordinator.leases import Leases, release_later
 from services.coordinator.offload import SwapPolicy
+from services.coordinator.output_cache import StepOutputCache
 from services.coordinator.plan_run import PlanRun
 from services.coordinator.registry import Replica, ReplicaPool
 from services.coordinator.request import Emit, FlowRequest, StepOutput
-from services.coordinator.step_cache import StepCache
-from services.coordinator.streams import Stream, feed
+from services.coordinator.results import result_outputs, send_audio, send_result
+from services.coordinator.step_streams import Stream, feed
 
 log = logging.getLogger("omnistage.coordinator")
 
 ATTEMPTS = 3  # replicas tried per step before the request fails
 REPLICA_POLL_S = 0.2  # while a request waits for a replica: how often the pool is looked at
 TOKEN_PROGRESS_EVERY = 16  # tokens between two TokenProgress events
-
-
-# What a replica may answer about the request itself: the caller's to fix, or to retry later
-# (the whole cluster would answer the same). Any other failure is the replica's own (a bug,
-# a misconfiguration, or a fake that registered with the token and answers
-# FAILED_PRECONDITION to everything): the replica is treated as lost and the call moves to
-# another, so one bad replica cannot fail requests that a healthy one would serve.
-CLIENT_ERRORS = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.ALREADY_EXISTS,
-        grpc.StatusCode.OUT_OF_RANGE,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-    }
-)
-
-
-class ReplicaLost(Unavailable):
-    """The replica went away mid-call (killed, crashed, draining), or failed it on its own.
-    `own_error`: what it answered, when the request's own content may be the cause (INTERNAL,
-    UNKNOWN): with no other replica to try, the caller gets that, not a wait for one."""
-
-    def __init__(self, message: str, own_error: OmniError | None = None) -> None:
-        super().__init__(message)
-        self.own_error = own_error
 
 
 class RequestFlow:
@@ -96,7 +71,7 @@ class RequestFlow:
         stage_timeout_s: float,
         checkpoint_every: int = 5,
         offload: SwapPolicy | None = None,
-        cache: StepCache | None = None,
+        cache: StepOutputCache | None = None,
         replica_wait_s: float = 0.0,
     ) -> None:
         self.pool = pool
@@ -106,7 +81,7 @@ class RequestFlow:
         self.stage_timeout_s = stage_timeout_s
         self.checkpoint_every = checkpoint_every
         # (not `cache or ...`: an empty cache has len 0, so it is falsy)
-        self.cache = cache if cache is not None else StepCache(transport, max_bytes=0, max_age_s=0.0)
+        self.cache = cache if cache is not None else StepOutputCache(transport, max_bytes=0, max_age_s=0.0)
         # Requests in each plan step now, by (request shape, step name): a step-wise call is told
         # how many requests like its own are still in the steps before it (followers).
         self.in_step: Counter[tuple[tuple[object, ...], str]] = Counter()
@@ -137,15 +112,13 @@ class RequestFlow:
         run = PlanRun(req, plan, calls=self, pool=self.pool, cache=self.cache)
         try:
             result = await run.result()
-            await self._send_result(req, plan.result, result.state, started)
+            await send_result(self.transport, req, plan.result, result.state, started)
         finally:
             run.close()
             req.leases.release_all()
 
     def result_outputs(self, options: cpb.GenerateRequest) -> list[str]:
-        """What the result step returns: the image in the client's format (+ the raw tensor)."""
-        image = "rgb8" if options.image_format == cpb.IMAGE_FORMAT_RGB8 else "png"
-        return [image, "image"] if options.return_tensor else [image]
+        return result_outputs(options)
 
     async def run_step(
         self,
@@ -271,39 +244,6 @@ class RequestFlow:
         with tracing.span(f"step {step.name}", kind="client", **where):
             return await self._call_stage(req, step, replica, inputs, consumer, outputs, stream_in)
 
-    def _failure(self, req: FlowRequest, replica: Replica, err: grpc.RpcError) -> OmniError:
-        """What a stage call's error means: the replica lost (ReplicaLost: the call moves to
-        another; it leaves routing too unless the request itself may be the cause), or the
-        request's own error, which the client sees."""
-        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and _connection_lost(err):
-            self.pool.mark_failed(replica)
-            return ReplicaLost(f"{replica.stage} replica {replica.address} was lost")
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
-            self.pool.mark_failed(replica)
-            return ReplicaLost(f"{replica.stage} replica {replica.address} is unavailable")
-        if err.code() == grpc.StatusCode.CANCELLED:
-            # Not our cancel (that arrives as asyncio's): the replica's server stopped with
-            # the call in flight, a drain racing its deregistration.
-            self.pool.mark_failed(replica)
-            return ReplicaLost(f"{replica.stage} replica {replica.address} stopped mid-call")
-        if err.code() not in CLIENT_ERRORS:
-            # INTERNAL or UNKNOWN may come from this request's content (it would fail the
-            # same way everywhere): the call moves on, but the replica stays routable.
-            own = err.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-            if not own:
-                self.pool.mark_failed(replica)
-            log.warning(
-                "request %s: %s replica %s answered %s: %s",
-                req.request_id,
-                replica.stage,
-                replica.address,
-                err.code().name,
-                (err.details() or "")[:200],
-            )
-            message = f"{replica.stage} replica {replica.address} failed the call"
-            return ReplicaLost(message, error_from_rpc(err) if own else None)
-        return error_from_rpc(err)
-
     async def _call_stage(
         self,
         req: FlowRequest,
@@ -365,7 +305,7 @@ class RequestFlow:
             release_later(self.transport, replica.address, [], req.request_id)
             raise
         except grpc.RpcError as err:
-            raise self._failure(req, replica, err) from None
+            raise stage_failure(err, replica, self.pool, req.request_id) from None
         finally:
             if feeder is not None:
                 feeder.cancel()
@@ -465,7 +405,7 @@ class RequestFlow:
             samples = tensors["audio"].to(torch.float32).view(-1).clone()
         finally:
             req.leases.drop(replica.address, partial)
-        await self._send_audio(req, samples, meta)
+        await send_audio(req, samples, meta)
 
     async def _hold(
         self, req: FlowRequest, holder: str, chunk: tensor_pb2.StageState
@@ -480,69 +420,6 @@ class RequestFlow:
         req.leases.add(self.transport.address, kept)
         return kept
 
-    async def _send_audio(self, req: FlowRequest, samples: torch.Tensor, meta: dict[str, str]) -> None:
-        """The next AudioChunk of the reply: `samples` (flat float32) in the client's format."""
-        chunk = cpb.AudioChunk(
-            index=req.audio_chunks,
-            sample_rate=int(meta.get("sample_rate", "0")),
-            format=req.options.audio_format,
-            data=encode_audio(samples, req.options.audio_format),
-            offset=req.audio_samples,
-        )
-        req.audio_chunks += 1
-        req.audio_samples += samples.numel()
-        await req.emit(cpb.GenerateEvent(audio=chunk))
-
-    async def _send_result(
-        self,
-        req: FlowRequest,
-        step: PlanStep,
-        decoded: tensor_pb2.StageState,
-        started: float,
-    ) -> None:
-        options, emit = req.options, req.emit
-        if "image" not in step.produces:  # a reply: its text and audio went out in chunks
-            kind = "audio" if "audio" in step.produces else "text"
-            if kind == "audio" and "audio" in (ref.name for ref in decoded.tensors):
-                # A last role that does not stream (a vocoder returning one tensor): its result
-                # holds the whole waveform, sent as the reply's last chunk. (A streaming one
-                # returns no "audio": its chunks went out as partials.)
-                tensors, meta = await self.transport.import_state(decoded)
-                samples = tensors["audio"].to(torch.float32).view(-1)
-                per_chunk = CHUNK_BYTES // 4  # float32: each event within the message limits
-                for start in range(0, max(1, samples.numel()), per_chunk):
-                    await self._send_audio(req, samples[start : start + per_chunk].clone(), meta)
-            result = cpb.Result(kind=kind, text="".join(req.text), audio_samples=req.audio_samples)
-            result.sample_rate = int(decoded.meta.get("sample_rate", "0"))
-            result.total_ms = (time.perf_counter() - started) * 1e3
-            await emit(cpb.GenerateEvent(result=result))
-            return
-        tensors, _ = await self.transport.import_state(decoded)
-        image_output = self.result_outputs(options)[0]
-        result = cpb.Result(
-            image=tensors[image_output].numpy().tobytes(),
-            image_format=options.image_format,
-            width=int(decoded.meta.get("width", "0")),
-            height=int(decoded.meta.get("height", "0")),
-            kind="image",
-        )
-        if options.return_tensor:
-            image = tensors["image"].contiguous()
-            raw = image.view(-1).view(torch.uint8).numpy()
-            for offset in range(0, raw.nbytes, CHUNK_BYTES):
-                chunk = raw[offset : offset + CHUNK_BYTES].tobytes()
-                await emit(cpb.GenerateEvent(raw_chunk=cpb.RawChunk(offset=offset, data=chunk)))
-            result.tensor.CopyFrom(
-                tensor_pb2.TensorRef(
-                    name="image",
-                    dtype=str(image.dtype).removeprefix("torch."),
-                    shape=list(image.shape),
-                    nbytes=raw.nbytes,
-                )
-            )
-        result.total_ms = (time.perf_counter() - started) * 1e3
-        await emit(cpb.GenerateEvent(result=result))
-
 
 def _finished_with(inputs: tensor_pb2.StageState) -> int:
     """Requests whose step-wise stage finished them in the same step as these inputs' (its
@@ -551,11 +428,3 @@ def _finished_with(inputs: tensor_pb2.StageState) -> int:
         return max(0, int(inputs.meta.get(FINISHED_WITH, "0")))
     except ValueError:
         return 0
-
-
-def _connection_lost(err: grpc.RpcError) -> bool:
-    """A call that broke because the peer went away (not a status the peer chose)."""
-    details = (err.details() or "").lower()
-    return any(
-        word in details for word in ("socket closed", "connection reset", "rst_stream", "goaway", "connect")
-    )

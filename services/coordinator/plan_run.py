@@ -17,10 +17,10 @@ from omni_common.errors import NotFound, Unavailable
 from omni_common.models.base import Plan, PlanStep
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import tensor_pb2
+from services.coordinator.output_cache import CachedOutput, StepOutputCache
 from services.coordinator.registry import ReplicaPool
 from services.coordinator.request import FlowRequest, StepOutput
-from services.coordinator.step_cache import CachedOutput, StepCache
-from services.coordinator.streams import Stream
+from services.coordinator.step_streams import Stream
 
 log = logging.getLogger("omnistage.coordinator")
 
@@ -61,7 +61,7 @@ class PlanRun:
         *,
         calls: StageCalls,
         pool: ReplicaPool,
-        cache: StepCache,
+        cache: StepOutputCache,
     ) -> None:
         self.calls = calls
         self.pool = pool

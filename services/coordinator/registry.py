@@ -23,6 +23,7 @@ from omni_common.models.registry import find_family
 from omni_common.net.auth import cluster_metadata
 from omni_common.net.rpc import aio_channel
 from omni_common.net.tls import client_settings
+from omni_common.stages import STAGES
 from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.coordinator")
@@ -276,7 +277,7 @@ MAX_NAME_CHARS = 256
 def heartbeat_problem(info: stage_pb2.StageInfo) -> str:
     """Why a replica's StageInfo cannot be routed to ("" when it can): requests would follow
     it, so it must name a stage, a family this coordinator knows, a model and a host:port."""
-    if info.stage not in ("ar-encoder", "dit-denoise", "vae-decode"):
+    if info.stage not in STAGES:
         return "unknown stage"
     if find_family(info.family) is None:
         return "unknown model family"

@@ -11,8 +11,8 @@ from omni_common.models.base import Plan, PlanStep
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
 from services.coordinator.leases import Leases
-from services.coordinator.step_cache import CachedOutput
-from services.coordinator.streams import Stream
+from services.coordinator.output_cache import CachedOutput
+from services.coordinator.step_streams import Stream
 
 Emit = Callable[[cpb.GenerateEvent], Awaitable[None]]
 

@@ -49,8 +49,8 @@ from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.flow import RequestFlow
 from services.coordinator.offload import SwapPolicy
+from services.coordinator.output_cache import StepOutputCache
 from services.coordinator.registry import ModelView, RegistryServicer, ReplicaPool
-from services.coordinator.step_cache import StepCache
 
 log = logging.getLogger("omnistage.coordinator")
 
@@ -73,7 +73,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.pool = pool
         offload = SwapPolicy(pool, config.device_memory_budget) if config.offload == "swap" else None
         self.metrics = CoordinatorMetrics(lambda: len(self.in_flight), pool.healthy_counts)
-        cache = StepCache(
+        cache = StepOutputCache(
             transport, config.step_cache_bytes, config.step_cache_ttl_s, registry=self.metrics.registry
         )
         self.flow = RequestFlow(

@@ -4,18 +4,16 @@ the coordinator's gRPC, the try-it page, health.
 Every route is a thin translation: the coordinator validates, routes and enforces API keys
 (the caller's key, `Authorization: Bearer KEY` or `x-api-key`, goes with the gRPC call; a
 refusal comes back as 401), and its gRPC status becomes the HTTP status (protocol.py).
-A streamed request commits to HTTP 200 only once the coordinator has accepted every image
-of it, so a refused request still gets its own status; a failure after that is an `error`
-event (streams.py). A client that goes away cancels its requests in every stage. Speech and
-chat (speech_routes.py) commit to 200 at their reply's first content, for the same reason.
+Images (image_routes.py) commit to HTTP 200 only once the coordinator has accepted every
+image of a request, so a refused request still gets its own status; speech and chat
+(speech_routes.py) commit to 200 at their reply's first content, for the same reason. A
+client that goes away cancels its requests in every stage.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -27,37 +25,19 @@ from starlette.routing import Route
 
 from omni_common.client import AsyncClient
 from omni_common.errors import OmniError
-from omni_common.net import tracing
 from omni_common.runtime.config import GatewayConfig
-from services.gateway.forms import form_document, parse_form
-from services.gateway.protocol import (
-    IMAGE_FIELDS,
-    MAX_UPLOAD_BYTES,
-    BadField,
-    ImageJob,
-    blame,
-    image_job,
-    model_entry,
-    parse_json,
-)
+from services.gateway.image_routes import ImageRoutes
+from services.gateway.protocol import model_entry
 from services.gateway.serving import (
     FramingGuard,
     GatewayState,
-    Served,
-    WatchedStream,
     credentials,
     error_response,
     guarded,
-    read_body,
-    unless_gone,
 )
 from services.gateway.speech_routes import SpeechRoutes
-from services.gateway.streams import collect, first_events, sse_body
-
-log = logging.getLogger("omnistage.gateway")
 
 PAGE = Path(__file__).resolve().parent / "static" / "index.html"
-ImageReader = Callable[[Request], Awaitable[ImageJob]]
 
 
 def build_app(config: GatewayConfig) -> Starlette:
@@ -105,55 +85,7 @@ def build_app(config: GatewayConfig) -> Starlette:
                 return JSONResponse(model_entry(model))
         return error_response(OmniError(f"unknown model {name[:100]!r}", grpc.StatusCode.NOT_FOUND))
 
-    async def run_images(request: Request, route: str, read: ImageReader) -> Response:
-        """POST /v1/images/generations or /edits: `read` validates the body into a job."""
-        assert state.client is not None
-        if state.draining:
-            return error_response(OmniError("the gateway is shutting down", grpc.StatusCode.UNAVAILABLE))
-        served = Served(state, route, request)
-        try:
-            job = await read(request)
-            served.span.set_attribute("omnistage.images", len(job.requests))
-            calls = [
-                state.client.stream(r, config.request_timeout_s, credentials(request)) for r in job.requests
-            ]
-            with tracing.current(served.span):  # the calls carry it to the coordinator
-                # The first event (Accepted) says the coordinator took the request: only then
-                # is it 200; a refusal before it keeps its own status.
-                firsts = await first_events(calls)
-            seeds = [r.params.seed for r in job.requests]
-            if job.stream:
-                return WatchedStream(
-                    served.until_done(sse_body(calls, firsts, seeds)),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                )
-            items = await unless_gone(request, collect(calls, firsts, seeds))
-        except OmniError as err:
-            return served.end(error_response(blame(err, IMAGE_FIELDS)))
-        except BaseException:
-            served.end(Response(status_code=500))
-            raise
-        if items is None:  # the client went away: its requests were cancelled
-            return served.end(Response(status_code=499))
-        return served.end(JSONResponse({"created": int(time.time()), "data": items}))
-
-    async def generation_job(request: Request) -> ImageJob:
-        return image_job(parse_json(await read_body(request)), config.max_images)
-
-    async def edit_job(request: Request) -> ImageJob:
-        body = await read_body(request, MAX_UPLOAD_BYTES, param="image")
-        fields, images = parse_form(request.headers.get("content-type", ""), body)
-        if not images:
-            raise BadField("image", "image is required: the image (or image[] images) to edit")
-        return image_job(form_document(fields), config.max_images, tuple(images))
-
-    async def generate(request: Request) -> Response:
-        return await run_images(request, "/v1/images/generations", generation_job)
-
-    async def edit(request: Request) -> Response:
-        return await run_images(request, "/v1/images/edits", edit_job)
-
+    image_routes = ImageRoutes(state, config)
     speech_routes = SpeechRoutes(state, config, error_response)
 
     app = Starlette(
@@ -163,8 +95,8 @@ def build_app(config: GatewayConfig) -> Starlette:
             Route("/metrics", metrics),
             Route("/v1/models", guarded(list_models)),
             Route("/v1/models/{model:path}", guarded(get_model)),
-            Route("/v1/images/generations", guarded(generate), methods=["POST"]),
-            Route("/v1/images/edits", guarded(edit), methods=["POST"]),
+            Route("/v1/images/generations", guarded(image_routes.generate), methods=["POST"]),
+            Route("/v1/images/edits", guarded(image_routes.edit), methods=["POST"]),
             Route("/v1/audio/speech", guarded(speech_routes.speech), methods=["POST"]),
             Route("/v1/chat/completions", guarded(speech_routes.chat), methods=["POST"]),
         ],

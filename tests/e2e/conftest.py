@@ -89,6 +89,6 @@ def kill_mid_denoise(
         thread.join(120)
     for key in requests:
         assert not isinstance(results[key], OmniError), (key, results[key])
-        np.testing.assert_allclose(results[key], expected[key], atol=IMAGE_TOL, rtol=0)  # type: ignore[arg-type]
+        np.testing.assert_allclose(results[key], expected[key], atol=IMAGE_TOL, rtol=0)
     assert cluster.log_dir is not None
     return (cluster.log_dir / "coordinator.log").read_text()

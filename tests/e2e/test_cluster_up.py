@@ -46,7 +46,7 @@ def test_cluster_up_serves_the_default_model_scaled_over_tls_and_ctrl_c_leaves_n
     tmp_path: Path,
 ) -> None:
     before = omnistage_segments()
-    cli = [sys.executable, "-m", "omnistage.cli"]
+    cli = [sys.executable, "-m", "omnistage_cli"]
     compose = str(REPO / "docker-compose.yml")
     up = [
         *cli,

@@ -43,7 +43,7 @@ def digit_prompt(digit: int, phrasing: int) -> str:
     return PHRASINGS[phrasing].format(word=WORDS[digit], number=digit)
 
 
-def digit_features(image: np.ndarray) -> np.ndarray:  # type: ignore[type-arg]
+def digit_features(image: np.ndarray) -> np.ndarray:
     """[32, 32, 3] uint8, black ink on white -> the data set's 64 features (ink per 4x4 block)."""
     ink = 1.0 - image.astype(np.float64).mean(axis=2) / 255.0
     block = image.shape[0] // 8
@@ -60,7 +60,7 @@ def digits_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def generated(digits_cluster: str) -> dict[tuple[int, int], np.ndarray]:  # type: ignore[type-arg]
+def generated(digits_cluster: str) -> dict[tuple[int, int], np.ndarray]:
     """(digit, k) -> the cluster's image for phrasing k, seed k."""
     images = {}
     with Client(digits_cluster) as client:
@@ -81,7 +81,7 @@ def diffusers_pipeline() -> QwenImagePipeline:
     return pipe
 
 
-def test_cluster_draws_the_asked_digit(generated: dict[tuple[int, int], np.ndarray]) -> None:  # type: ignore[type-arg]
+def test_cluster_draws_the_asked_digit(generated: dict[tuple[int, int], np.ndarray]) -> None:
     data = load_digits()
     classifier = SVC(gamma=0.001, C=10.0).fit(data.data, data.target)
     keys = sorted(generated)
@@ -95,7 +95,7 @@ def test_cluster_draws_the_asked_digit(generated: dict[tuple[int, int], np.ndarr
 
 @pytest.mark.parametrize(("digit", "k"), [(0, 0), (3, 1), (7, 2), (8, 3), (9, 4)])
 def test_cluster_digits_equal_diffusers_bitwise(
-    generated: dict[tuple[int, int], np.ndarray],  # type: ignore[type-arg]
+    generated: dict[tuple[int, int], np.ndarray],
     diffusers_pipeline: QwenImagePipeline,
     digit: int,
     k: int,

@@ -31,7 +31,7 @@ def start_gateway(extra_env: dict[str, str] | None = None) -> tuple[subprocess.P
         **(extra_env or {}),
     }
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.cli", "serve", "gateway"],
+        [sys.executable, "-m", "omnistage_cli", "serve", "gateway"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -75,7 +75,7 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[tuple[str, str]] = []  # (service.name, span name)
 
-    def Export(self, request, context):  # type: ignore[no-untyped-def]
+    def Export(self, request, context):
         for resource_spans in request.resource_spans:
             service = next(
                 a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"

@@ -50,7 +50,7 @@ def diffusers_pixels(model: Path, dtype: str, prompt: str, seed: int, images: Se
 
 
 @pytest.mark.parametrize("mode", ["text-to-image", "edit"])
-def test_cluster_pixels_equal_the_pipeline_bitwise(glm_cluster, glm_model: Path, mode: str) -> None:  # type: ignore[no-untyped-def]
+def test_cluster_pixels_equal_the_pipeline_bitwise(glm_cluster, glm_model: Path, mode: str) -> None:
     address, dtype = glm_cluster
     prompt, images = (PROMPT, []) if mode == "text-to-image" else (EDIT_PROMPT, [png(4)])
     with Client(address) as client:

@@ -100,7 +100,7 @@ def test_a_dead_device_worker_fails_the_replica_over(tiny_model: Path, tmp_path:
             thread.join(300)
         for seed in requests:
             assert not isinstance(results[seed], OmniError), (seed, results[seed])
-            np.testing.assert_allclose(results[seed], expected[seed], atol=IMAGE_TOL, rtol=0)  # type: ignore[arg-type]
+            np.testing.assert_allclose(results[seed], expected[seed], atol=IMAGE_TOL, rtol=0)
         # Drained (the coordinator released what it held there), the server exits with an
         # error for its supervisor to restart it; the other worker does not outlive it.
         assert server.wait(60) != 0

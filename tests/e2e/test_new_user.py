@@ -30,7 +30,7 @@ from tests.conftest import assert_no_segment_added, omnistage_segments
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "omnistage.cli"]
+CLI = [sys.executable, "-m", "omnistage_cli"]
 COMPOSE_PORTS = ("50051", "50061", "50062", "50063", "8000")
 
 

@@ -20,7 +20,7 @@ CASES = {
 }
 
 
-def diffusers_pixels(model: Path, dtype: str, case: dict, seed: int) -> np.ndarray:  # type: ignore[type-arg]
+def diffusers_pixels(model: Path, dtype: str, case: dict, seed: int) -> np.ndarray:
     pipe = QwenImagePipeline.from_pretrained(model, dtype=getattr(torch, dtype))
     image = pipe(
         case["prompt"],
@@ -36,7 +36,7 @@ def diffusers_pixels(model: Path, dtype: str, case: dict, seed: int) -> np.ndarr
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cluster_pixels_equal_diffusers_bitwise(process_cluster, tiny_model: Path, case: str) -> None:  # type: ignore[no-untyped-def]
+def test_cluster_pixels_equal_diffusers_bitwise(process_cluster, tiny_model: Path, case: str) -> None:
     address, dtype = process_cluster
     options = CASES[case]
     with Client(address) as client:

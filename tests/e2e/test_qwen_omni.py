@@ -151,8 +151,8 @@ def test_replies_on_a_killed_replica_finish_elsewhere(
     for seed in seeds:
         got, want = results[seed], expected[seed]
         assert not isinstance(got, OmniError), (seed, got)
-        assert got.text == want.text  # type: ignore[union-attr]
+        assert got.text == want.text
         # Batches differ between an uninterrupted and a resumed run: float rounding, as for images.
-        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-4)  # type: ignore[union-attr]
+        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-4)
     assert "moving on" in log, "no reply failed over"
     assert_no_segment_added(before)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from omni_common.client import Client
-from omni_common.cluster import LOOPBACK, LocalCluster, free_port, loopback_plan
+from omni_common.cluster import LocalCluster, free_port, loopback_plan
+from omni_common.compose import LOOPBACK
 from omni_common.health import check_health
 from omni_common.models.qwenimage.vllm_encoder import vllm_available
 
@@ -32,7 +33,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_fixture(tmp_path_factory.mktemp("models") / "qwen-image-tiny-hd32", head_dim=32)
 
 
-def generate(model: Path, backend: str, logs: Path) -> np.ndarray:  # type: ignore[type-arg]
+def generate(model: Path, backend: str, logs: Path) -> np.ndarray:
     plan = loopback_plan(model, "float32", {"OMNISTAGE_BACKEND": backend})
     with LocalCluster(plan, log_dir=logs) as cluster, Client(cluster.coordinator) as client:
         image = client.generate(
@@ -65,7 +66,7 @@ def test_engine_start_failure_is_a_clear_error_and_never_healthy(tiny_model: Pat
         shard.unlink()
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.cli", "serve", "ar-encoder", "--backend", "vllm"],
+        [sys.executable, "-m", "omnistage_cli", "serve", "ar-encoder", "--backend", "vllm"],
         env={
             **os.environ,
             "OMNISTAGE_MODEL": str(broken),

@@ -1,4 +1,4 @@
-"""A DiT compiled as the stage compiles it (denoise.compile_blocks: inductor's multi_kernel)
+"""A DiT compiled as the stage compiles it (execution.compile_blocks: inductor's multi_kernel)
 restarts from a warm compile cache, in a new process, and computes what the first process did.
 
 The tiny fixture's reductions are too small for inductor to generate multi-kernels, so this
@@ -30,7 +30,8 @@ import json, sys
 from pathlib import Path
 import torch
 from omni_common.models.base import DenoiserOptions
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 
 device = torch.device("cuda", 0)
 denoiser = QwenImageDenoiser.load(Path(sys.argv[1]), device, torch.bfloat16, DenoiserOptions(compile=True))

@@ -3,7 +3,7 @@
 A replay must give what the eager forward gives on the same padded inputs, follow new input
 values through its static buffers, take a new graph only for a new bucket, and survive the
 weights moving (sleep/wake) by capturing again. fp32, so differences are float rounding
-(~1e-7 here; see tests/unit/models/test_qwenimage_graphs.py for the padding's own tolerance).
+(~1e-7 here; see tests/unit/models/qwenimage/test_graphs.py for the padding's own tolerance).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch
 
 from omni_common.execution import compile_cache
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.family import MODULES
 from omni_common.models.qwenimage.warmup import REAL_TEXT_TOKENS
 from omni_common.runtime.memory import WeightSleeper, discover_modules

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omni_common.models.base import DenoiserOptions, GenerationRequest
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.hot_reload import copy_weights, planned_copies
@@ -29,7 +29,7 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def runners(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """(encoder, compiled + graphed denoiser, eager denoiser, adapter files) on the GPU."""
     options = DenoiserOptions(cuda_graphs=True, compile=True, capture_sizes=((64, 64),), max_batch=4)
     fast = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
@@ -43,7 +43,7 @@ def runners(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # type
     return QwenImageEncoder.load(tiny_model, DEVICE, torch.float32), fast, eager, files
 
 
-def latents(encoder, denoiser, requests: list[GenerationRequest]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def latents(encoder, denoiser, requests: list[GenerationRequest]) -> list[torch.Tensor]:
     states = [denoiser.prepare(r, e) for r, e in zip(requests, encoder.encode(requests), strict=True)]
     while not all(denoiser.is_done(s) for s in states):
         denoiser.step([s for s in states if not denoiser.is_done(s)])
@@ -56,7 +56,7 @@ def request(seed: int, loras: tuple[tuple[str, float | None], ...] = ()) -> Gene
     )
 
 
-def test_adapters_run_eagerly_beside_graphs_and_plain_steps_keep_replaying(runners) -> None:  # type: ignore[no-untyped-def]
+def test_adapters_run_eagerly_beside_graphs_and_plain_steps_keep_replaying(runners) -> None:
     encoder, fast, eager, files = runners
     [plain_before] = latents(encoder, fast, [request(1)])
     graphs = len(fast.graphed.cache)
@@ -76,7 +76,7 @@ def test_adapters_run_eagerly_beside_graphs_and_plain_steps_keep_replaying(runne
     assert len(fast.graphed.cache) == graphs  # nothing captured with adapters
 
 
-def test_a_weight_push_is_followed_by_the_captured_graphs(runners) -> None:  # type: ignore[no-untyped-def]
+def test_a_weight_push_is_followed_by_the_captured_graphs(runners) -> None:
     encoder, fast, eager, _ = runners
     latents(encoder, fast, [request(5)])  # captured
     generator = torch.Generator().manual_seed(9)

@@ -33,7 +33,7 @@ def image(dit: dict[str, object], model: Path, **params: object) -> np.ndarray:
     cluster.start()
     try:
         with Client(cluster.coordinator) as client:
-            tensor = client.generate_result("a red cat", **REQUEST, **params).tensor  # type: ignore[arg-type]
+            tensor = client.generate_result("a red cat", **REQUEST, **params).tensor
     finally:
         cluster.stop()
     assert tensor is not None

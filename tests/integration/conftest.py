@@ -68,7 +68,7 @@ class InProcessCluster:
     def live_leases(self) -> dict[str, int]:
         return {name: t.live_leases() for name, t in self.transports.items()}
 
-    def _ready(self, name: str):  # type: ignore[no-untyped-def]
+    def _ready(self, name: str):
         event = threading.Event()
         self._events = getattr(self, "_events", {})
         self._events[name] = event
@@ -79,7 +79,7 @@ class InProcessCluster:
 
         return mark
 
-    def _launch(self, name: str, coro) -> None:  # type: ignore[no-untyped-def]
+    def _launch(self, name: str, coro) -> None:
         task = asyncio.run_coroutine_threadsafe(coro, self.loop)
         self._tasks.append(task)
         while not self._events[name].wait(0.1):
@@ -87,7 +87,7 @@ class InProcessCluster:
                 task.result()  # raises the start-up error
         assert name in self.addresses
 
-    def call(self, coro):  # type: ignore[no-untyped-def]
+    def call(self, coro):
         """Run a coroutine on the cluster's loop (to reach its objects) and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
 

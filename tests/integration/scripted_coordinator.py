@@ -58,7 +58,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         self.cancelled = 0
         self.gate: asyncio.Event | None = None  # set: a held reply may go on past its first audio
 
-    async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def Generate(self, request: cpb.GenerateRequest, context: grpc.aio.ServicerContext):
         self.open_calls += 1
         try:
             params = request.params
@@ -114,7 +114,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
         )
         return cpb.GenerateEvent(audio=chunk)
 
-    async def ListModels(self, request: cpb.ListModelsRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def ListModels(self, request: cpb.ListModelsRequest, context: grpc.aio.ServicerContext):
         info = cpb.ModelInfo(
             name=MODEL, family="qwen2.5-omni", inputs=["text"], outputs=["text", "audio"], ready=True
         )

@@ -49,7 +49,7 @@ def internal_methods() -> list[tuple[str, str, bool, bool, type]]:
     return methods
 
 
-def call_without(address: str, metadata: list[tuple[str, str]], method: tuple) -> grpc.StatusCode:  # type: ignore[type-arg]
+def call_without(address: str, metadata: list[tuple[str, str]], method: tuple) -> grpc.StatusCode:
     service, name, client_streaming, server_streaming, message = method
     path = f"/{service}/{name}"
     with sync_channel(address) as channel:
@@ -73,7 +73,7 @@ def call_without(address: str, metadata: list[tuple[str, str]], method: tuple) -
 
 
 @pytest.mark.parametrize("credential", [[], [(CLUSTER_TOKEN_HEADER, "wrong")]], ids=["none", "wrong"])
-def test_every_internal_rpc_of_every_service_needs_the_cluster_token(secured, credential) -> None:  # type: ignore[no-untyped-def]
+def test_every_internal_rpc_of_every_service_needs_the_cluster_token(secured, credential) -> None:
     methods = internal_methods()
     assert len(methods) >= 8
     for name, address in secured.addresses.items():
@@ -82,7 +82,7 @@ def test_every_internal_rpc_of_every_service_needs_the_cluster_token(secured, cr
             assert code == grpc.StatusCode.UNAUTHENTICATED, (name, method[:2], code)
 
 
-def test_a_forged_heartbeat_is_refused_and_routes_nothing(secured) -> None:  # type: ignore[no-untyped-def]
+def test_a_forged_heartbeat_is_refused_and_routes_nothing(secured) -> None:
     forged = stage_pb2.StageInfo(stage="vae-decode", model="qwen-image-tiny", address="127.0.0.1:1")
     with sync_channel(secured.coordinator) as channel, pytest.raises(grpc.RpcError) as caught:
         coordinator_pb2_grpc.RegistryStub(channel).Heartbeat(forged, timeout=10)
@@ -91,7 +91,7 @@ def test_a_forged_heartbeat_is_refused_and_routes_nothing(secured) -> None:  # t
         assert client.list_models()[0].replicas["vae-decode"] == 1
 
 
-def test_the_public_api_needs_a_listed_key_and_health_needs_none(secured) -> None:  # type: ignore[no-untyped-def]
+def test_the_public_api_needs_a_listed_key_and_health_needs_none(secured) -> None:
     for key in ("", "not-a-key"):
         with Client(secured.coordinator, api_key=key) as client, pytest.raises(OmniError) as caught:
             client.list_models()
@@ -106,7 +106,7 @@ def test_the_public_api_needs_a_listed_key_and_health_needs_none(secured) -> Non
             assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_a_request_with_a_key_gets_its_image_through_the_secured_stages(secured) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_with_a_key_gets_its_image_through_the_secured_stages(secured) -> None:
     with Client(secured.coordinator, api_key=KEYS[1]) as client:
         image = client.generate("a locked door", width=64, height=64, steps=2, seed=1)
     assert image.size == (64, 64)

@@ -51,7 +51,7 @@ def server() -> Iterator[tuple[subprocess.Popen[str], str]]:
     process.wait(30)
 
 
-def test_a_flood_of_60_mib_calls_without_the_token_leaves_the_rss_flat(server) -> None:  # type: ignore[no-untyped-def]
+def test_a_flood_of_60_mib_calls_without_the_token_leaves_the_rss_flat(server) -> None:
     process, address = server
     run = "/omnistage.v1.Stage/Run"
     payload = bytes(60 << 20)  # never parsed: the refusal comes before the body

@@ -195,7 +195,7 @@ def fuzzed(
 )
 def test_fuzzed_messages_get_clean_statuses_and_the_cluster_serves_on_unchanged(
     fuzzed, target, services
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     cluster, before = fuzzed
     codes: dict[str, set[str]] = {}
     with sync_channel(cluster.addresses[target], metadata=((CLUSTER_TOKEN_HEADER, TOKEN),)) as channel:

@@ -66,7 +66,7 @@ def pixels(data: bytes | Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-def test_openai_client_gets_the_sdks_pixels_for_the_same_seeds(cluster, gateway) -> None:  # type: ignore[no-untyped-def]
+def test_openai_client_gets_the_sdks_pixels_for_the_same_seeds(cluster, gateway) -> None:
     response = openai_client(gateway).images.generate(
         model=MODEL,
         prompt="a red fox in snow",
@@ -96,7 +96,7 @@ def test_openai_client_gets_the_sdks_pixels_for_the_same_seeds(cluster, gateway)
     assert not np.array_equal(first, second)
 
 
-def test_models_are_listed_and_an_unknown_one_is_404(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_models_are_listed_and_an_unknown_one_is_404(gateway) -> None:
     client = openai_client(gateway)
     (model,) = client.models.list().data
     assert model.id == MODEL and model.owned_by == "omnistage"
@@ -137,16 +137,16 @@ SMALL = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 2, "seed": 1
         (b'{"prompt": "' + b"x" * (2 << 20) + b'"}', None, "invalid_argument"),  # over 1 MiB
     ],
 )
-def test_bad_requests_are_400_with_the_field_named(gateway, body, param, code) -> None:  # type: ignore[no-untyped-def]
+def test_bad_requests_are_400_with_the_field_named(gateway, body, param, code) -> None:
     response = post(gateway.url, body)
     assert response.status_code == 400, response.text
     error = error_of(response)
     assert error["type"] == "invalid_request_error" and error["code"] == code and error["param"] == param
 
 
-def test_the_openai_client_raises_its_own_error_classes(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_the_openai_client_raises_its_own_error_classes(gateway) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        openai_client(gateway).images.generate(prompt="a cat", size="33x33")  # type: ignore[arg-type]
+        openai_client(gateway).images.generate(prompt="a cat", size="33x33")
     assert "multiple of 16" in str(bad.value) or "16" in str(bad.value)
     with pytest.raises(openai.NotFoundError):
         openai_client(gateway).images.generate(model="no-such-model", prompt="a cat", size="256x256")
@@ -155,7 +155,7 @@ def test_the_openai_client_raises_its_own_error_classes(gateway) -> None:  # typ
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"])
-def test_a_missing_or_wrong_api_key_is_401_from_the_coordinators_check(gateway, key) -> None:  # type: ignore[no-untyped-def]
+def test_a_missing_or_wrong_api_key_is_401_from_the_coordinators_check(gateway, key) -> None:
     response = post(gateway.url, SMALL, key=key)
     assert response.status_code == 401
     assert error_of(response)["type"] == "authentication_error"
@@ -165,7 +165,7 @@ def test_a_missing_or_wrong_api_key_is_401_from_the_coordinators_check(gateway, 
     assert ok.status_code == 200
 
 
-def test_an_unknown_model_is_404(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_an_unknown_model_is_404(gateway) -> None:
     response = post(gateway.url, {**SMALL, "model": "no-such-model"})
     assert response.status_code == 404
     assert error_of(response)["code"] == "not_found"
@@ -192,7 +192,7 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
             data.append(line[5:].lstrip())
 
 
-def test_busy_is_429_with_retry_after_and_a_client_that_leaves_frees_its_slot(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_busy_is_429_with_retry_after_and_a_client_that_leaves_frees_its_slot(gateway) -> None:
     before = cancelled()
     # Two long streamed requests fill the coordinator (max_in_flight 2) ...
     long = {**SMALL, "n": MAX_IN_FLIGHT, "num_inference_steps": 1000, "stream": True}
@@ -219,7 +219,7 @@ def test_busy_is_429_with_retry_after_and_a_client_that_leaves_frees_its_slot(ga
     assert post(gateway.url, SMALL).status_code == 200
 
 
-def test_past_the_gateways_deadline_is_504(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_past_the_gateways_deadline_is_504(cluster) -> None:
     hurried = InProcessGateway(cluster.loop, cluster.coordinator, request_timeout_s=0.3)
     try:
         response = post(hurried.url, {**SMALL, "num_inference_steps": 1000})
@@ -229,7 +229,7 @@ def test_past_the_gateways_deadline_is_504(cluster) -> None:  # type: ignore[no-
         hurried.stop()
 
 
-def test_no_coordinator_is_503(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_no_coordinator_is_503(cluster) -> None:
     orphan = InProcessGateway(cluster.loop, f"127.0.0.1:{free_port()}", request_timeout_s=5)
     try:
         response = post(orphan.url, SMALL)
@@ -240,7 +240,7 @@ def test_no_coordinator_is_503(cluster) -> None:  # type: ignore[no-untyped-def]
         orphan.stop()
 
 
-def test_the_stream_has_steps_previews_stage_timings_then_the_image(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_the_stream_has_steps_previews_stage_timings_then_the_image(gateway) -> None:
     body = {
         **SMALL,
         "size": "32x32",
@@ -280,7 +280,7 @@ def test_the_stream_has_steps_previews_stage_timings_then_the_image(gateway) -> 
     )
 
 
-def test_a_failure_after_the_stream_began_is_an_error_event(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_a_failure_after_the_stream_began_is_an_error_event(cluster) -> None:
     hurried = InProcessGateway(cluster.loop, cluster.coordinator, request_timeout_s=0.3)
     try:
         body = {**SMALL, "num_inference_steps": 1000, "stream": True}
@@ -299,14 +299,14 @@ def test_a_failure_after_the_stream_began_is_an_error_event(cluster) -> None:  #
         hurried.stop()
 
 
-def test_health_and_the_page(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_health_and_the_page(gateway) -> None:
     assert httpx.get(f"{gateway.url}/health", timeout=10).json() == {"status": "ok"}
     page = httpx.get(f"{gateway.url}/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "v1/images/generations" in page.text
 
 
-def test_draining_gateway_says_503_on_health(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_draining_gateway_says_503_on_health(cluster) -> None:
     leaving = InProcessGateway(cluster.loop, cluster.coordinator)
     url = leaving.url
     stopper = threading.Thread(target=leaving.stop)
@@ -327,7 +327,7 @@ def test_draining_gateway_says_503_on_health(cluster) -> None:  # type: ignore[n
     assert result["status"] == 200  # the request in flight finished during the drain
 
 
-def test_the_openai_clients_own_stream_gets_previews_then_the_image(cluster, gateway) -> None:  # type: ignore[no-untyped-def]
+def test_the_openai_clients_own_stream_gets_previews_then_the_image(cluster, gateway) -> None:
     stream = openai_client(gateway).images.generate(
         model=MODEL,
         prompt="a red fox in snow",
@@ -347,7 +347,7 @@ def test_the_openai_clients_own_stream_gets_previews_then_the_image(cluster, gat
     np.testing.assert_array_equal(pixels(base64.b64decode(done.b64_json)), pixels(expected))
 
 
-def test_a_refused_image_cancels_the_others_of_its_request(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_a_refused_image_cancels_the_others_of_its_request(gateway) -> None:
     before = cancelled()
     # Three long images where two fit: the third is refused, so the request is 429 ...
     response = post(gateway.url, {**SMALL, "n": MAX_IN_FLIGHT + 1, "num_inference_steps": 1000})
@@ -360,7 +360,7 @@ def test_a_refused_image_cancels_the_others_of_its_request(gateway) -> None:  # 
     assert post(gateway.url, SMALL).status_code == 200
 
 
-def test_a_client_that_stops_waiting_cancels_its_request(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_stops_waiting_cancels_its_request(gateway) -> None:
     before = cancelled()
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         post(gateway.url, {**SMALL, "num_inference_steps": 1000}, timeout=0.5)
@@ -379,7 +379,7 @@ def gateway_metrics(gateway: InProcessGateway) -> dict[tuple[str, frozenset[tupl
     }
 
 
-def test_the_gateway_counts_its_answers_by_status(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_the_gateway_counts_its_answers_by_status(gateway) -> None:
     route = ("route", "/v1/images/generations")
 
     def answered(status: int) -> float:

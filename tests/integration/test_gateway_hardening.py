@@ -15,8 +15,7 @@ import pytest
 
 from omni_common.cluster import free_port
 from omni_common.runtime.config import GatewayConfig
-from services.gateway import app as gateway_app
-from services.gateway import serving
+from services.gateway import image_routes, serving
 from services.gateway.server import serve_gateway
 
 
@@ -122,7 +121,7 @@ def test_an_unexpected_fault_is_openais_500_with_a_request_id(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("/secret/path/in/a/traceback")
 
-    monkeypatch.setattr(gateway_app, "image_job", broken)
+    monkeypatch.setattr(image_routes, "image_job", broken)
     response = httpx.post(f"{edge.url}/v1/images/generations", json={"prompt": "a cat"}, timeout=10)
     assert response.status_code == 500
     error = response.json()["error"]

@@ -53,7 +53,7 @@ def client_of(gateway: InProcessGateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def sdk_reply(omni: InProcessCluster, seed: int = 0, **options: object):  # type: ignore[no-untyped-def]
+def sdk_reply(omni: InProcessCluster, seed: int = 0, **options: object):
     with Client(omni.coordinator) as sdk:
         return sdk.speak(PROMPT, seed=seed, options={**CAPS, **options})
 
@@ -62,7 +62,7 @@ def pcm16(data: bytes) -> np.ndarray:
     return np.frombuffer(data, "<i2").astype(np.float32) / 32767
 
 
-def test_streamed_speech_decodes_and_equals_the_sdks_reply(omni, gateway) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_speech_decodes_and_equals_the_sdks_reply(omni, gateway) -> None:
     with client_of(gateway).audio.speech.with_streaming_response.create(
         model="", input=PROMPT, voice="Chelsie", response_format="wav", extra_body={"options": CAPS}
     ) as response:
@@ -78,7 +78,7 @@ def test_streamed_speech_decodes_and_equals_the_sdks_reply(omni, gateway) -> Non
     assert float(np.abs(heard - expected.audio).max()) <= 0.5 / 32767 + 1e-7
 
 
-def test_speech_as_sse_and_raw_pcm_carry_the_same_samples(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_speech_as_sse_and_raw_pcm_carry_the_same_samples(gateway) -> None:
     body = {"input": PROMPT, "voice": "Chelsie", "options": CAPS}
     raw = httpx.post(f"{gateway.url}/v1/audio/speech", json={**body, "response_format": "pcm"}, timeout=120)
     assert raw.status_code == 200 and raw.headers["content-type"] == "audio/pcm"
@@ -100,7 +100,7 @@ def sse_payloads(response: httpx.Response) -> list[dict[str, Any]]:
     return out
 
 
-def test_streamed_chat_deltas_add_up_to_the_whole_reply(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_chat_deltas_add_up_to_the_whole_reply(gateway) -> None:
     client = client_of(gateway)
     common: dict[str, Any] = {
         "model": "",
@@ -126,14 +126,14 @@ def test_streamed_chat_deltas_add_up_to_the_whole_reply(gateway) -> None:  # typ
     assert len(audio) >= 1
 
 
-def test_a_text_only_chat_has_no_audio(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_a_text_only_chat_has_no_audio(gateway) -> None:
     reply = client_of(gateway).chat.completions.create(
         model="", messages=[{"role": "user", "content": PROMPT}], extra_body={"options": CAPS, "seed": 3}
     )
     assert reply.choices[0].message.content and reply.choices[0].message.audio is None
 
 
-def test_the_first_audio_comes_before_the_last_text(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_the_first_audio_comes_before_the_last_text(gateway) -> None:
     body = {
         "messages": [{"role": "user", "content": PROMPT}],
         "modalities": ["text", "audio"],
@@ -156,7 +156,7 @@ def cancelled() -> float:
     return scrape(METRICS_PORT).get(CANCELLED, 0.0)
 
 
-def test_a_client_that_leaves_mid_speech_frees_every_lease(omni, gateway) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_leaves_mid_speech_frees_every_lease(omni, gateway) -> None:
     before = cancelled()
     body = {"input": PROMPT, "voice": "Chelsie", "options": {**LONG, "talker_max_new_tokens": 2000}}
     with httpx.stream("POST", f"{gateway.url}/v1/audio/speech", json=body, timeout=120) as response:
@@ -168,7 +168,7 @@ def test_a_client_that_leaves_mid_speech_frees_every_lease(omni, gateway) -> Non
         time.sleep(0.05)
 
 
-def test_an_unknown_voice_is_400_about_voice_from_the_thinkers_check(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_an_unknown_voice_is_400_about_voice_from_the_thinkers_check(gateway) -> None:
     body = {"input": PROMPT, "voice": "Nobody", "options": CAPS}
     response = httpx.post(f"{gateway.url}/v1/audio/speech", json=body, timeout=60)
     assert response.status_code == 400, response.text
@@ -176,7 +176,7 @@ def test_an_unknown_voice_is_400_about_voice_from_the_thinkers_check(gateway) ->
     assert "unknown speaker" in response.json()["error"]["message"]
 
 
-def test_models_say_what_they_take_and_return(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_models_say_what_they_take_and_return(gateway) -> None:
     (model,) = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
     assert model["outputs"] == ["text", "audio"] and model["inputs"] == ["text", "audio", "image"]
     assert model["endpoints"] == ["/v1/chat/completions", "/v1/audio/speech"]

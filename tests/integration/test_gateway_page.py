@@ -43,7 +43,7 @@ def gateway(cluster: InProcessCluster) -> Iterator[InProcessGateway]:
 @pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on this machine (scripts/setup.sh installs Debian's)"
 )
-def test_type_a_prompt_click_and_the_image_appears(cluster, gateway) -> None:  # type: ignore[no-untyped-def]
+def test_type_a_prompt_click_and_the_image_appears(cluster, gateway) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

@@ -42,7 +42,7 @@ def scripted() -> Iterator[Scripted]:
 
 
 @pytest.fixture
-def page(scripted: Scripted):  # type: ignore[no-untyped-def]
+def page(scripted: Scripted):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -58,13 +58,13 @@ def page(scripted: Scripted):  # type: ignore[no-untyped-def]
             browser.close()
 
 
-def screenshot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+def screenshot(page, name: str) -> None:
     folder = os.environ.get("OMNISTAGE_PAGE_SCREENSHOTS")
     if folder:
         page.screenshot(path=str(Path(folder) / name), full_page=True)
 
 
-def test_no_broken_image_before_a_run(page) -> None:  # type: ignore[no-untyped-def]
+def test_no_broken_image_before_a_run(page) -> None:
     hidden = page.eval_on_selector_all(
         "img",
         "images => images.map(i => !i.getAttribute('src') && getComputedStyle(i).visibility === 'hidden')",
@@ -72,7 +72,7 @@ def test_no_broken_image_before_a_run(page) -> None:  # type: ignore[no-untyped-
     assert hidden and all(hidden)
 
 
-def test_upload_an_image_and_the_edit_appears_beside_it(scripted, page, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_upload_an_image_and_the_edit_appears_beside_it(scripted, page, tmp_path: Path) -> None:
     source = tmp_path / "photo.png"
     source.write_bytes(png())
     page.click("#tab-edit")
@@ -97,7 +97,7 @@ def test_upload_an_image_and_the_edit_appears_beside_it(scripted, page, tmp_path
     np.testing.assert_array_equal(shown, np.asarray(expected.convert("RGB")))
 
 
-def test_speak_and_the_players_duration_grows_while_the_reply_streams(scripted, page) -> None:  # type: ignore[no-untyped-def]
+def test_speak_and_the_players_duration_grows_while_the_reply_streams(scripted, page) -> None:
     coordinator = scripted.coordinator
     gate = asyncio.Event()
     scripted.loop.call_soon_threadsafe(lambda: setattr(coordinator, "gate", gate))

@@ -69,7 +69,7 @@ def pcm16(data: bytes) -> np.ndarray:
     return np.frombuffer(data, "<i2").astype(np.float32) / 32767
 
 
-def test_streamed_speech_decodes_and_equals_the_sdks_reply(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_speech_decodes_and_equals_the_sdks_reply(scripted) -> None:
     with client_of(scripted).audio.speech.with_streaming_response.create(
         model=MODEL, input=PROMPT, voice="Ethan", response_format="wav", extra_body={"seed": 4}
     ) as response:
@@ -95,7 +95,7 @@ def sse_payloads(response: httpx.Response) -> list[dict[str, Any]]:
     ]
 
 
-def test_speech_as_sse_and_as_raw_pcm_carry_the_same_samples(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_speech_as_sse_and_as_raw_pcm_carry_the_same_samples(scripted) -> None:
     url = f"{scripted.gateway.url}/v1/audio/speech"
     body = {"input": PROMPT, "voice": "Chelsie"}
     raw = httpx.post(url, json={**body, "response_format": "pcm"}, timeout=60)
@@ -111,7 +111,7 @@ def chat_args(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **extra}
 
 
-def test_streamed_chat_deltas_add_up_to_the_whole_reply_audio_before_the_last_text(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_chat_deltas_add_up_to_the_whole_reply_audio_before_the_last_text(scripted) -> None:
     client = client_of(scripted)
     whole = client.chat.completions.create(**chat_args(modalities=["text", "audio"], audio=CHELSIE))
     message = whole.choices[0].message
@@ -133,7 +133,7 @@ def test_streamed_chat_deltas_add_up_to_the_whole_reply_audio_before_the_last_te
     assert "audio" in kinds[:last_text]
 
 
-def test_a_wav_reply_is_a_whole_wav_file_and_a_text_only_chat_has_no_audio(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_a_wav_reply_is_a_whole_wav_file_and_a_text_only_chat_has_no_audio(scripted) -> None:
     client = client_of(scripted)
     spoken = client.chat.completions.create(
         **chat_args(modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
@@ -146,7 +146,7 @@ def test_a_wav_reply_is_a_whole_wav_file_and_a_text_only_chat_has_no_audio(scrip
     assert written.choices[0].message.audio is None
 
 
-def test_a_client_that_leaves_mid_speech_closes_its_call(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_leaves_mid_speech_closes_its_call(scripted) -> None:
     coordinator = scripted.coordinator
     before = coordinator.cancelled
     scripted.loop.call_soon_threadsafe(lambda: setattr(coordinator, "gate", asyncio.Event()))
@@ -173,7 +173,7 @@ def png(width: int = 32, height: int = 32) -> bytes:
     return buffer.getvalue()
 
 
-def test_an_edit_gets_the_sdks_pixels(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_an_edit_gets_the_sdks_pixels(scripted) -> None:
     source = png()
     response = client_of(scripted).images.edit(
         model=MODEL, image=("in.png", source, "image/png"), prompt="make it red", extra_body={"seed": 9}
@@ -184,7 +184,7 @@ def test_an_edit_gets_the_sdks_pixels(scripted) -> None:  # type: ignore[no-unty
     np.testing.assert_array_equal(np.asarray(got.convert("RGB")), np.asarray(expected.convert("RGB")))
 
 
-def test_a_streamed_edit_sends_its_image_as_an_event(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_a_streamed_edit_sends_its_image_as_an_event(scripted) -> None:
     files = {"image[]": ("in.png", png(), "image/png")}
     data = {"prompt": "make it red", "stream": "true", "seed": "9"}
     response = httpx.post(f"{scripted.gateway.url}/v1/images/edits", files=files, data=data, timeout=60)
@@ -213,7 +213,7 @@ def edit(scripted: Scripted, image: bytes, **fields: str) -> httpx.Response:
         ("bad size", "size"),
     ],
 )
-def test_hostile_edits_are_400_with_the_field_named(scripted, case, param) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_edits_are_400_with_the_field_named(scripted, case, param) -> None:
     if case == "not an image":
         response = edit(scripted, b"%PDF-1.4 not an image")
     elif case == "50 MB":
@@ -261,7 +261,7 @@ def test_hostile_edits_are_400_with_the_field_named(scripted, case, param) -> No
         ("chat", chat_args(max_tokens=0), "max_tokens"),
     ],
 )
-def test_hostile_speech_and_chat_bodies_are_400_with_the_field_named(scripted, route, body, param) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_speech_and_chat_bodies_are_400_with_the_field_named(scripted, route, body, param) -> None:
     path = "/v1/audio/speech" if route == "speech" else "/v1/chat/completions"
     # json.dumps escapes "\ud800" as JSON allows (httpx's own encoder would refuse to send it).
     response = httpx.post(f"{scripted.gateway.url}{path}", content=json.dumps(body).encode(), timeout=60)
@@ -271,7 +271,7 @@ def test_hostile_speech_and_chat_bodies_are_400_with_the_field_named(scripted, r
     assert httpx.get(f"{scripted.gateway.url}/health", timeout=10).status_code == 200
 
 
-def test_models_say_what_they_take_and_return(scripted) -> None:  # type: ignore[no-untyped-def]
+def test_models_say_what_they_take_and_return(scripted) -> None:
     models = {model.id: model for model in client_of(scripted).models.list().data}
     extra = models[MODEL].model_extra or {}
     assert extra["outputs"] == ["text", "audio"] and extra["inputs"] == ["text"]

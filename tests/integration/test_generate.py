@@ -20,7 +20,7 @@ from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 SMALL = {"width": 64, "height": 64, "steps": 4, "seed": 3}
 
 
-def wait_until_no_leases(cluster, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def wait_until_no_leases(cluster, timeout_s: float = 10.0) -> None:
     """Releases run in the background: give them a moment, then every lease must be gone."""
     deadline = time.monotonic() + timeout_s
     while any(cluster.live_leases().values()) and time.monotonic() < deadline:
@@ -28,7 +28,7 @@ def wait_until_no_leases(cluster, timeout_s: float = 10.0) -> None:  # type: ign
     assert cluster.live_leases() == dict.fromkeys(cluster.live_leases(), 0)
 
 
-def test_events_arrive_in_order_and_end_with_a_png(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_events_arrive_in_order_and_end_with_a_png(cluster) -> None:
     with Client(cluster.coordinator) as client:
         events = list(client.events("a cat", image_format="png", **SMALL))
     kinds = [e.WhichOneof("event") for e in events]
@@ -43,7 +43,7 @@ def test_events_arrive_in_order_and_end_with_a_png(cluster) -> None:  # type: ig
     wait_until_no_leases(cluster)
 
 
-def test_same_seed_same_image_in_every_format_and_raw_tensor_matches(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_same_seed_same_image_in_every_format_and_raw_tensor_matches(cluster) -> None:
     with Client(cluster.coordinator) as client:
         first = client.generate_result("a dog", return_tensor=True, **SMALL)
         second = client.generate_result("a dog", image_format="png", **SMALL)
@@ -56,7 +56,7 @@ def test_same_seed_same_image_in_every_format_and_raw_tensor_matches(cluster) ->
     assert np.array_equal(pixels, np.asarray(first.image))
 
 
-def test_list_models_names_the_served_model(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_list_models_names_the_served_model(cluster) -> None:
     with Client(cluster.coordinator) as client:
         (model,) = client.list_models()
     assert model.name == "qwen-image-tiny" and model.family == "qwenimage"
@@ -86,7 +86,7 @@ def test_bad_requests_get_a_clear_status_and_the_service_stays_up(
     cluster,
     change,
     error,
-    words,  # type: ignore[no-untyped-def]
+    words,
 ) -> None:
     options = {**SMALL, **change}
     prompt = options.pop("prompt", "a cat")
@@ -114,7 +114,7 @@ def _stage_run(address: str, state: tensor_pb2.StageState, outputs: tuple[str, .
     return caught.value
 
 
-def _real_latents_ref(cluster) -> tensor_pb2.TensorRef:  # type: ignore[no-untyped-def]
+def _real_latents_ref(cluster) -> tensor_pb2.TensorRef:
     import torch
 
     producer = cluster.transports["dit-denoise"]
@@ -124,7 +124,7 @@ def _real_latents_ref(cluster) -> tensor_pb2.TensorRef:  # type: ignore[no-untyp
     return ref
 
 
-def test_forged_handles_are_refused_and_the_stage_serves_on(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_forged_handles_are_refused_and_the_stage_serves_on(cluster) -> None:
     decoder = cluster.addresses["vae-decode"]
     ref = _real_latents_ref(cluster)
     try:
@@ -158,7 +158,7 @@ def test_forged_handles_are_refused_and_the_stage_serves_on(cluster) -> None:  #
         assert client.generate("still serving", **SMALL).size == (64, 64)
 
 
-def test_nan_tensors_are_refused(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_nan_tensors_are_refused(cluster) -> None:
     import torch
 
     producer = cluster.transports["dit-denoise"]
@@ -171,7 +171,7 @@ def test_nan_tensors_are_refused(cluster) -> None:  # type: ignore[no-untyped-de
         producer.release(producer.lease_ids(state))
 
 
-def test_cancel_mid_denoise_stops_work_and_frees_every_lease(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_mid_denoise_stops_work_and_frees_every_lease(cluster) -> None:
     outcome: list[BaseException] = []
     steps_seen: list[int] = []
     request_id = "cancel-me"
@@ -200,7 +200,7 @@ def test_cancel_mid_denoise_stops_work_and_frees_every_lease(cluster) -> None:  
         assert client.cancel(request_id) is False
 
 
-def test_client_that_goes_away_frees_its_leases(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_client_that_goes_away_frees_its_leases(cluster) -> None:
     with Client(cluster.coordinator) as client:
         events = client.events("leaving", **{**SMALL, "steps": 500})
         for event in events:
@@ -210,7 +210,7 @@ def test_client_that_goes_away_frees_its_leases(cluster) -> None:  # type: ignor
     wait_until_no_leases(cluster)
 
 
-def test_unknown_stage_output_is_invalid_argument(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_stage_output_is_invalid_argument(cluster) -> None:
     import torch
 
     producer = cluster.transports["dit-denoise"]

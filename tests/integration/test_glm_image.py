@@ -37,7 +37,7 @@ def glm(glm_model: Path) -> Iterator[InProcessCluster]:
 
 
 @pytest.fixture(scope="module")
-def pipe(glm_model: Path):  # type: ignore[no-untyped-def]
+def pipe(glm_model: Path):
     return load_pipeline(glm_model)
 
 
@@ -50,7 +50,7 @@ def generate(
         )
 
 
-def expected(pipe, prompt: str, seed: int, images: Sequence[bytes] = ()) -> np.ndarray:  # type: ignore[no-untyped-def]
+def expected(pipe, prompt: str, seed: int, images: Sequence[bytes] = ()) -> np.ndarray:
     return pipeline_image(pipe, prompt, seed, STEPS, images).numpy()
 
 
@@ -82,7 +82,7 @@ def test_list_models_describes_glm_image(glm: InProcessCluster) -> None:
     }
 
 
-def test_text_to_image_equals_the_pipeline_bitwise_with_prior_and_glyph_at_once(glm, pipe) -> None:  # type: ignore[no-untyped-def]
+def test_text_to_image_equals_the_pipeline_bitwise_with_prior_and_glyph_at_once(glm, pipe) -> None:
     with Client(glm.coordinator) as client:
         events = list(
             client.events(
@@ -123,7 +123,7 @@ def condition_kv_hits(cluster: InProcessCluster) -> float:
     )
 
 
-def test_edit_equals_the_pipeline_bitwise_and_reuses_the_condition_kv(glm, pipe) -> None:  # type: ignore[no-untyped-def]
+def test_edit_equals_the_pipeline_bitwise_and_reuses_the_condition_kv(glm, pipe) -> None:
     image = png(3)
     hits = condition_kv_hits(glm)
     with Client(glm.coordinator) as client:
@@ -160,7 +160,7 @@ def test_edit_equals_the_pipeline_bitwise_and_reuses_the_condition_kv(glm, pipe)
     wait_until_only_the_cache_holds_leases(glm)
 
 
-def test_concurrent_requests_each_get_their_own_image(glm, pipe) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_requests_each_get_their_own_image(glm, pipe) -> None:
     """Eight requests at once: the prior and the denoiser batch them. Batched float32 products
     round differently from lone ones, so images are compared within rounding; a token sampled
     from a neighbour's row would change an image far more."""
@@ -245,7 +245,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_requests_are_invalid_arguments_and_the_service_stays_up(glm, case: str) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_requests_are_invalid_arguments_and_the_service_stays_up(glm, case: str) -> None:
     changes, message = HOSTILE[case]
     kwargs: dict[str, object] = {"width": 64, "height": 64, "steps": STEPS, **changes}
     with Client(glm.coordinator) as client, pytest.raises(InvalidArgument, match=message):

@@ -105,7 +105,7 @@ def test_admin_calls_take_the_requests_limits_and_say_invalid_argument_for_nul(
 class Running:
     """A long request of one key, in a thread, its events as they come."""
 
-    def __init__(self, cluster: InProcessCluster, key: str, request_id: str, metadata=()) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, cluster: InProcessCluster, key: str, request_id: str, metadata=()) -> None:
         self.events: list[cpb.GenerateEvent] = []
         self.error: grpc.RpcError | None = None
         self.stepping = threading.Event()
@@ -116,7 +116,7 @@ class Running:
         threading.Thread(target=self._run, args=(stub, request), daemon=True).start()
         assert self.stepping.wait(60), self.error
 
-    def _run(self, stub, request) -> None:  # type: ignore[no-untyped-def]
+    def _run(self, stub, request) -> None:
         try:
             for event in stub.Generate(request, timeout=120):
                 self.events.append(event)
@@ -179,10 +179,10 @@ class FailingStage(stage_pb2_grpc.StageServicer):
         self.info = info
         self.calls = 0
 
-    async def Info(self, request, context):  # type: ignore[no-untyped-def]
+    async def Info(self, request, context):
         return self.info
 
-    async def Run(self, request, context):  # type: ignore[no-untyped-def]
+    async def Run(self, request, context):
         self.calls += 1
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not today")
         yield stage_pb2.StageEvent()  # pragma: no cover (a generator: Run streams)

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from omni_common.client import Client
 from omni_common.net.rpc import sync_channel
-from omnistage import cli
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage_cli import main as cli
 from tests.integration.conftest import InProcessCluster
 
 SMALL = {"width": 64, "height": 64, "steps": 3}

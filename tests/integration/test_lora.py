@@ -24,10 +24,10 @@ from safetensors.torch import load_file, save_file
 
 from omni_common.client import Client
 from omni_common.errors import InvalidArgument, NotFound
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.net.rpc import sync_channel
-from omnistage import cli
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage_cli import main as cli
 from tests.integration.conftest import InProcessCluster
 from tests.integration.test_concurrency import IMAGE_TOL
 
@@ -71,7 +71,7 @@ def add(
 
 def generate(cluster: InProcessCluster, seed: int = 3, **kwargs: object) -> np.ndarray:
     with Client(cluster.coordinator) as client:
-        result = client.generate_result("a lamp", seed=seed, return_tensor=True, **SMALL, **kwargs)  # type: ignore[arg-type]
+        result = client.generate_result("a lamp", seed=seed, return_tensor=True, **SMALL, **kwargs)
         return np.asarray(result.tensor)
 
 
@@ -195,7 +195,7 @@ def test_adapter_control_calls_and_bad_adapters(
     assert "a" not in [i.name for i in remaining.loras]
 
 
-def test_an_adapter_in_the_directory_loads_on_demand(cluster: InProcessCluster, control) -> None:  # type: ignore[no-untyped-def]
+def test_an_adapter_in_the_directory_loads_on_demand(cluster: InProcessCluster, control) -> None:
     image = generate(cluster, loras=[("ondisk", 1.0)])
     assert np.abs(image - generate(cluster)).max() > 1e-3
     assert "ondisk" in [i.name for i in control.ListLoras(stage_pb2.ListLorasRequest(), timeout=10).loras]

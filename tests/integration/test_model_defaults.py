@@ -14,7 +14,7 @@ from PIL import Image
 
 from omni_common.client import Client
 from omni_common.models.model_defaults import ModelDefaults, write_model_defaults
-from omnistage.cli import main as cli
+from omnistage_cli.main import main as cli
 
 from .conftest import InProcessCluster, InProcessGateway
 

@@ -53,9 +53,9 @@ def test_two_workers_draw_the_one_device_image(
     cluster: InProcessCluster, spread: InProcessCluster, params: dict[str, object]
 ) -> None:
     with Client(cluster.coordinator) as client:
-        one = client.generate_result("a red cat", **SMALL, **params)  # type: ignore[arg-type]
+        one = client.generate_result("a red cat", **SMALL, **params)
     with Client(spread.coordinator) as client:
-        two = client.generate_result("a red cat", **SMALL, **params)  # type: ignore[arg-type]
+        two = client.generate_result("a red cat", **SMALL, **params)
     assert one.tensor is not None and two.tensor is not None
     worst = float(np.abs(one.tensor - two.tensor).max())
     print(f"max |2 workers - 1 device| on the image ({sorted(params)}): {worst:.3g}")
@@ -72,7 +72,7 @@ def test_concurrent_requests_each_get_their_own_image(
 
     def one(prompt: str) -> None:
         with Client(spread.coordinator) as client:
-            result = client.generate_result(prompt, seed=1, **SMALL)  # type: ignore[arg-type]
+            result = client.generate_result(prompt, seed=1, **SMALL)
             assert result.tensor is not None
             got[prompt] = result.tensor
 
@@ -83,7 +83,7 @@ def test_concurrent_requests_each_get_their_own_image(
         thread.join(120)
     with Client(cluster.coordinator) as client:
         for prompt in prompts:
-            expected = client.generate_result(prompt, seed=1, **SMALL).tensor  # type: ignore[arg-type]
+            expected = client.generate_result(prompt, seed=1, **SMALL).tensor
             assert expected is not None
             assert float(np.abs(got[prompt] - expected).max()) <= IMAGE_TOLERANCE, prompt
 
@@ -116,4 +116,4 @@ def test_what_does_not_spread_yet_is_refused_cleanly(spread: InProcessCluster, t
                 call()
             assert caught.value.code().name == code, caught.value.details()
     with Client(spread.coordinator) as client:
-        assert client.generate_result("still serving", **SMALL).tensor is not None  # type: ignore[arg-type]
+        assert client.generate_result("still serving", **SMALL).tensor is not None

@@ -99,7 +99,7 @@ def test_ctrl_c_in_the_profile_command_stops_the_replicas_profile(cluster: InPro
     argv = [
         sys.executable,
         "-m",
-        "omnistage.cli",
+        "omnistage_cli",
         "profile",
         cluster.addresses["dit-denoise"],
         "--seconds",

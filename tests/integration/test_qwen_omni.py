@@ -21,9 +21,9 @@ from omni_common.client import Client
 from omni_common.errors import Cancelled, InvalidArgument
 from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.net.rpc import sync_channel
-from omnistage import cli
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage_cli import main as cli
 from tests.integration.conftest import InProcessCluster
 
 PROMPT = "Tell me a short story."
@@ -48,7 +48,7 @@ def leases_and_jobs_free(cluster: InProcessCluster) -> bool:
     return not any(cluster.live_leases().values())
 
 
-def wait_until(check, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+def wait_until(check, timeout: float = 10.0) -> bool:
     until = time.monotonic() + timeout
     while time.monotonic() < until:
         if check():
@@ -118,7 +118,7 @@ def test_eight_replies_at_once_each_equal_their_lone_reply(omni: InProcessCluste
     with Client(omni.coordinator) as client:
         alone = {seed: client.speak(PROMPT, seed=seed, options=CAPS) for seed in seeds}
 
-        def speak(seed: int):  # type: ignore[no-untyped-def]
+        def speak(seed: int):
             return client.speak(PROMPT, seed=seed, options=CAPS)
 
         with ThreadPoolExecutor(8) as pool:

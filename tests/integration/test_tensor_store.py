@@ -110,7 +110,7 @@ def test_remote_errors_map_to_omni_errors() -> None:
     with_store(body)
 
 
-def test_a_shm_ref_routed_off_its_host_is_fetched_and_a_gone_producer_is_not_found(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_shm_ref_routed_off_its_host_is_fetched_and_a_gone_producer_is_not_found(tmp_path) -> None:
     """A handle made for a consumer on the producer's host reaches one on another host (a step
     that failed over): it is fetched from the producer's store; once the producer is gone, the
     tensor is NOT_FOUND (produce it again), not UNAVAILABLE (which would blame the consumer)."""

@@ -22,7 +22,7 @@ from omni_common.client import Client
 from omni_common.errors import OmniError
 from omni_common.health import check_health
 from omni_common.net.tls import CLUSTER_NAME, TlsSettings, bind, https_context
-from omnistage.cli import main as cli
+from omnistage_cli.main import main as cli
 
 from .conftest import InProcessCluster, InProcessGateway
 

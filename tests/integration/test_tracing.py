@@ -47,7 +47,7 @@ def traced(
     cluster.stop()
 
 
-def test_one_request_is_one_trace_from_the_gateway_through_every_stage(traced, spans) -> None:  # type: ignore[no-untyped-def]
+def test_one_request_is_one_trace_from_the_gateway_through_every_stage(traced, spans) -> None:
     _, gateway = traced
     spans.clear()
     body = {"prompt": "a cat", "size": "32x32", "num_inference_steps": 3, "seed": 3}
@@ -59,7 +59,7 @@ def test_one_request_is_one_trace_from_the_gateway_through_every_stage(traced, s
     trace = [s for s in finished if s.context.trace_id == root.context.trace_id]
     by_id = {s.context.span_id: s for s in trace}
 
-    def children(span, name: str):  # type: ignore[no-untyped-def]
+    def children(span, name: str):
         return [
             s
             for s in trace
@@ -90,7 +90,7 @@ def test_one_request_is_one_trace_from_the_gateway_through_every_stage(traced, s
     assert not [s for s in finished if s.name == STAGE_RUN and s.context.trace_id != root.context.trace_id]
 
 
-def test_a_direct_sdk_request_starts_its_trace_at_the_coordinator(traced, spans) -> None:  # type: ignore[no-untyped-def]
+def test_a_direct_sdk_request_starts_its_trace_at_the_coordinator(traced, spans) -> None:
     cluster, _ = traced
     spans.clear()
     with Client(cluster.coordinator) as client:
@@ -104,7 +104,7 @@ def test_a_direct_sdk_request_starts_its_trace_at_the_coordinator(traced, spans)
     assert not [s for s in finished if "Health" in s.name or "Registry" in s.name]
 
 
-def test_every_service_answers_grpc_reflection(traced) -> None:  # type: ignore[no-untyped-def]
+def test_every_service_answers_grpc_reflection(traced) -> None:
     cluster, _ = traced
     expected = {
         "coordinator": {"omnistage.v1.Coordinator", "omnistage.v1.Registry", "omnistage.v1.TensorStore"},
@@ -124,7 +124,7 @@ def test_every_service_answers_grpc_reflection(traced) -> None:  # type: ignore[
             assert answer.file_descriptor_response.file_descriptor_proto, name
 
 
-def test_an_http_callers_trace_context_is_the_gateways_parent(traced, spans) -> None:  # type: ignore[no-untyped-def]
+def test_an_http_callers_trace_context_is_the_gateways_parent(traced, spans) -> None:
     _, gateway = traced
     spans.clear()
     trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"

@@ -17,7 +17,7 @@ def test_a_bool_audio_still_says_whether_the_reply_is_spoken() -> None:
     assert chat_request("hi", speak=False).params.options["audio"] == "0"
 
 
-def test_clips_and_images_become_input_media_in_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_clips_and_images_become_input_media_in_order(tmp_path) -> None:
     wav = wav_bytes(np.zeros(4, np.int16), 16_000)
     path = tmp_path / "in.wav"
     path.write_bytes(wav)

@@ -31,7 +31,7 @@ def layers(max_bytes: int = 1 << 20, directory: Path | None = None) -> LoraLayer
     )
 
 
-def finishes(fn, *args) -> BaseException | None:  # type: ignore[no-untyped-def]
+def finishes(fn, *args) -> BaseException | None:
     """What `fn(*args)` raised, from a thread that must end: a blocked open would hang it."""
     outcome: list[BaseException | None] = []
 

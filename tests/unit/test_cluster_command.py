@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.cluster import is_stage, load_compose, local_plan
-from omnistage.cli import build_parser
-from omnistage.cluster_command import ready_line, with_model
+from omni_common.cluster import is_stage
+from omni_common.compose import load_compose, local_plan
+from omnistage_cli.cluster_command import ready_line, with_model
+from omnistage_cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compose_plan(env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+def compose_plan(env: dict[str, str] | None = None):
     return local_plan(load_compose(REPO / "docker-compose.yml", env or {}), REPO)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_common.cluster import interpolate, load_compose, local_plan
+from omni_common.compose import interpolate, load_compose, local_plan
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -50,7 +50,7 @@ def test_launcher_runs_exactly_the_declared_commands_and_environment() -> None:
     assert {p.name for p in plan} == set(doc["services"])
     for process in plan:
         declared = doc["services"][process.name]
-        assert process.argv == [sys.executable, "-m", "omnistage.cli", *declared["command"][1:]]
+        assert process.argv == [sys.executable, "-m", "omnistage_cli", *declared["command"][1:]]
         assert set(process.environment) == set(declared["environment"])
         for key, value in declared["environment"].items():
             raw = interpolate(str(value), env)

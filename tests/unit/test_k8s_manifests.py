@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from omni_common.cluster import interpolate
+from omni_common.compose import interpolate
 from omni_common.runtime.config import STAGES
 from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.serve import DRAIN_GRACE_S

@@ -1,5 +1,7 @@
-"""The floors of the code base: `omni_common` (runtime, transport, models, client SDK) is below
-`services`, and the `omnistage` command composes both. A lower floor never imports a higher one."""
+"""The floors of the code base, bottom-up: the generated wire code (`omnistage`, only `v1`),
+`omni_common` (runtime, transport, models, client SDK), `services`, and at the top the
+`omnistage` command (`omnistage_cli`), which composes them. A lower floor never imports a
+higher one."""
 
 from __future__ import annotations
 
@@ -20,14 +22,24 @@ def imported_modules(path: Path) -> set[str]:
     return found
 
 
-def test_omni_common_never_imports_services_or_the_command() -> None:
+# The packages, bottom-up; each imports only itself and those listed before it.
+FLOORS = ("omnistage", "omni_common", "services", "omnistage_cli")
+
+
+def test_each_package_imports_only_the_packages_beneath_it() -> None:
     upward = {
         f"{path.relative_to(REPO)}: {module}"
-        for path in sorted((REPO / "omni_common").rglob("*.py"))
+        for floor in FLOORS
+        for path in sorted((REPO / floor).rglob("*.py"))
         for module in imported_modules(path)
-        if module.split(".")[0] == "services" or module.startswith("omnistage.cli")
+        if module.split(".")[0] in FLOORS[FLOORS.index(floor) + 1 :]
     }
     assert not upward, sorted(upward)
+
+
+def test_the_wire_package_holds_only_the_generated_code() -> None:
+    ours = {path.relative_to(REPO / "omnistage").parts[0] for path in (REPO / "omnistage").rglob("*.py")}
+    assert ours == {"__init__.py", "v1"}
 
 
 def test_the_check_sees_a_lazy_upward_import(tmp_path: Path) -> None:
@@ -68,11 +80,11 @@ def _module_name(path: Path) -> str:
 
 
 def test_no_two_modules_import_each_other_even_lazily() -> None:
-    """No import cycle between modules of omni_common, services and the command (lazy imports
-    inside functions count: they tie the modules as much as top-level ones)."""
+    """No import cycle between modules of any floor (lazy imports inside functions count: they
+    tie the modules as much as top-level ones)."""
     sources = [
         path
-        for top in ("omni_common", "services", "omnistage")
+        for top in FLOORS
         for path in (REPO / top).rglob("*.py")
         if "v1" not in path.relative_to(REPO).parts
     ]

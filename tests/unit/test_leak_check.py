@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_common.transport.leases import QUEUE_MAGIC
+from omni_common.transport.lease_table import QUEUE_MAGIC
 from omni_common.transport.owner import STAMP
 from tests.conftest import SHM_DIR, assert_no_segment_added, omnistage_segments, ours, segment_owner
 

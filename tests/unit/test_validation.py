@@ -41,7 +41,7 @@ def test_explicit_zero_is_not_a_default() -> None:
         ({"negative_prompt": "x" * 10_001}, "negative_prompt has 10001 characters"),
     ],
 )
-def test_out_of_range_fields_name_the_field_and_range(fields: dict, message: str) -> None:  # type: ignore[type-arg]
+def test_out_of_range_fields_name_the_field_and_range(fields: dict, message: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         to_request(with_defaults(stage_pb2.GenerationParams(**{"prompt": "p", **fields})))
     assert message in caught.value.message

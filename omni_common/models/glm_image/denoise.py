@@ -45,7 +45,7 @@ from omni_common.models.glm_image.condition import (
     read_cache,
 )
 from omni_common.models.glm_image.vae import vae_scale_factor_for
-from omni_common.models.latents import LatentState, LatentSteps, latent_preview
+from omni_common.models.latent_steps import LatentState, LatentSteps, latent_preview
 from omni_common.models.weights import load_component
 
 

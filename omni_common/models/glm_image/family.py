@@ -20,16 +20,15 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
-    ModuleDeclaration,
     Plan,
     PlanStep,
     RoleSpec,
-    SequenceParallelPlan,
     StageContext,
     StageModel,
     input_image_name,
 )
-from omni_common.validation import check_options
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
+from omni_common.validation import check_multiple, check_options
 
 # The AR model works on a 32-pixel token grid (upsampled 2x for the DiT's 16-pixel patches), so
 # output sizes, and condition images (whose tokens must fill the DiT's grid), are multiples of 32.
@@ -94,8 +93,7 @@ class GlmImageFamily:
                 f"{self.name} takes no negative prompt: its guidance runs against an empty glyph prompt"
             )
         for side, value in (("width", request.width), ("height", request.height)):
-            if value % SIZE_MULTIPLE:
-                raise InvalidArgument(f"{side} is {value}; it must be a multiple of {SIZE_MULTIPLE}")
+            check_multiple(side, value, SIZE_MULTIPLE)
         if len(request.images) > MAX_IMAGES:
             raise InvalidArgument(
                 f"{self.name} takes at most {MAX_IMAGES} input images; got {len(request.images)}"

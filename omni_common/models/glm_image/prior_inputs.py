@@ -12,8 +12,8 @@ from PIL import Image
 from transformers import BatchFeature, GlmImageForConditionalGeneration, GlmImageProcessor
 
 from omni_common.errors import InvalidArgument
-from omni_common.imaging import decode_image
-from omni_common.models.base import GenerationRequest, StageState, input_image_name
+from omni_common.imaging import decode_image, input_image_bytes
+from omni_common.models.base import GenerationRequest, StageState
 
 AR_PATCH = 32  # pixels per AR image token; the DiT's grid is twice as fine
 
@@ -28,10 +28,7 @@ def condition_images(request: GenerationRequest, inputs: StageState) -> list[Ima
         )
     images = []
     for index in range(len(request.images)):
-        data = inputs.tensors.get(input_image_name(index))
-        if data is None or data.dtype != torch.uint8 or data.dim() != 1:
-            raise InvalidArgument(f"{input_image_name(index)} must be a 1-D uint8 tensor of file bytes")
-        image = decode_image(data.cpu(), index=index)
+        image = decode_image(input_image_bytes(inputs.tensors, index).cpu(), index=index)
         if image.width % AR_PATCH or image.height % AR_PATCH or min(image.size) < AR_PATCH:
             raise InvalidArgument(
                 f"input image {index} is {image.width}x{image.height}; GLM-Image needs sides that are "

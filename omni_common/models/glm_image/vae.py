@@ -23,8 +23,8 @@ from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
 
 from omni_common.errors import InvalidArgument
-from omni_common.imaging import decode_image
-from omni_common.models.base import BatchRunner, GenerationRequest, RoleCall, StageState, input_image_name
+from omni_common.imaging import decode_image, input_image_bytes
+from omni_common.models.base import BatchRunner, GenerationRequest, RoleCall, StageState
 from omni_common.models.weights import load_component
 
 DEFAULT_VAE_SCALE_FACTOR = 8
@@ -155,9 +155,7 @@ class GlmImageVaeEncoder:
     def _run(self, call: RoleCall) -> StageState:
         tensors = {}
         for index in range(len(call.request.images)):
-            data = call.inputs.tensors.get(input_image_name(index))
-            if data is None or data.dtype != torch.uint8 or data.dim() != 1:
-                raise InvalidArgument(f"vae-encode needs input image {index} as 1-D uint8 file bytes")
+            data = input_image_bytes(call.inputs.tensors, index)
             tensors[condition_latents_name(index)] = self.vae.encode_image(data, index)
         if not tensors:
             raise InvalidArgument("vae-encode got a request without input images")

@@ -23,16 +23,15 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
-    ModuleDeclaration,
     Plan,
     PlanStep,
     RoleSpec,
-    SequenceParallelPlan,
     StageContext,
     StageModel,
     input_audio_name,
     input_image_name,
 )
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwen_omni.options import OPTIONS, option_int
 from omni_common.validation import check_options
 

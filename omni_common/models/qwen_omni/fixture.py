@@ -195,7 +195,14 @@ def build_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5OmniConfig:
         "vision_start_token_id": ids["<|vision_bos|>"],
         "vision_end_token_id": ids["<|vision_eos|>"],
     }
-    token2wav = {
+    return Qwen2_5OmniConfig(
+        thinker_config=thinker, talker_config=talker, token2wav_config=_token2wav_config()
+    )
+
+
+def _token2wav_config() -> dict[str, Any]:
+    """token2wav's config: the codec DiT and BigVGAN, which read no tokenizer id."""
+    return {
         "dit_config": {
             "hidden_size": HIDDEN,
             "num_hidden_layers": 4,
@@ -214,7 +221,6 @@ def build_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5OmniConfig:
         },
         "bigvgan_config": {"mel_dim": MEL_DIM, "upsample_initial_channel": 64},
     }
-    return Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=token2wav)
 
 
 def build_speakers(tokenizer: Qwen2Tokenizer, seed: int) -> dict[str, dict[str, torch.Tensor | int]]:

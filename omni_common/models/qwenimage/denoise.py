@@ -9,10 +9,8 @@ silently assumes 8 without one, so the factor is read from vae/config.json and p
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,17 +28,13 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
 from diffusers.utils.torch_utils import randn_tensor
 
 from omni_common.errors import InvalidArgument, Unimplemented
-from omni_common.execution.compile_cache import compile_cache_is_warm
-from omni_common.execution.cuda_graphs import Inputs
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
-from omni_common.models.latents import LatentState, LatentSteps, latent_preview, to_device
+from omni_common.models.latent_steps import LatentState, LatentSteps, latent_preview, to_device
 from omni_common.models.lora import LoraLayers, RowAdapters
-from omni_common.models.qwenimage.epilogue import fuse_gelu_epilogue
-from omni_common.models.qwenimage.fp8 import quantize_blocks
-from omni_common.models.qwenimage.graphs import GraphedTransformer, ImgShapes
+from omni_common.models.qwenimage.execution import BatchInputs, TransformerExecution, forward_inputs
+from omni_common.models.qwenimage.graphs import GraphedTransformer
 from omni_common.models.qwenimage.lora import read_qwenimage_lora
 from omni_common.models.qwenimage.modulation import ModulationCache
-from omni_common.models.qwenimage.rotary import use_real_rotary
 from omni_common.models.qwenimage.step_cache import (
     StepCache,
     cached_forward,
@@ -48,30 +42,10 @@ from omni_common.models.qwenimage.step_cache import (
     log_reuse,
     step_cache_threshold,
 )
-from omni_common.models.qwenimage.warmup import IDLE_CAPTURE_TOKENS, WarmUp, warm_up
+from omni_common.models.qwenimage.warmup import WarmUp
 from omni_common.models.weights import load_component
 
 DEFAULT_VAE_SCALE_FACTOR = 8
-
-
-# Inductor's options for the compiled blocks. multi_kernel: each reduction is generated both
-# persistent and looped, and the faster one, timed at its first run (the warm-up's, never a
-# graph capture's), is kept. Inductor's own choice loops twice over the inputs of the blocks'
-# LayerNorm over 3072 channels and of the q/k RMSNorm: with the pick, 6 real-width blocks on an
-# H200 spent 2.82 ms in memory-bound kernels for 8 requests at 512x512 against 3.57 ms (1.26
-# against 1.44 at 1024x1024, 0.38 against 0.47 at 512x512), and compiled as fast
-# (docs/benchmarks.md). Coordinate-descent tuning saved about as much and tripled the compile
-# time.
-INDUCTOR_OPTIONS = {"triton.multi_kernel": 1}
-
-
-def compile_blocks(transformer: QwenImageTransformer2DModel) -> None:
-    """torch.compile each of the transformer's blocks, with INDUCTOR_OPTIONS."""
-    # Each process times its multi-kernel picks once, at their first run: PyTorch 2.11's file
-    # cache of them keys a kernel by a Triton attribute that kernels loaded from the compile
-    # cache lack (a warm start failed on an H200).
-    os.environ.setdefault("TORCHINDUCTOR_DISABLE_MULTI_KERNEL_CACHE", "1")
-    transformer.compile_repeated_blocks(fullgraph=True, options=INDUCTOR_OPTIONS)
 
 
 def vae_scale_factor_for(model_dir: Path) -> int:
@@ -102,7 +76,7 @@ class QwenImageDenoiseState(LatentState):
     modulation: torch.Tensor | None = None
 
 
-class QwenImageDenoiser(LatentSteps):
+class QwenImageDenoiser(LatentSteps, TransformerExecution):
     """QwenImageTransformer2DModel with flow-matching Euler and dynamic shift: the dit-denoise
     stage model, and its "denoise" role (a StepRunner)."""
 
@@ -148,79 +122,6 @@ class QwenImageDenoiser(LatentSteps):
         if options is not None:
             denoiser.configure(options)
         return denoiser
-
-    def configure(self, options: DenoiserOptions) -> None:
-        """Attention backend, compilation and CUDA graphs, compiled and captured ahead for the
-        sizes asked (warmup.py)."""
-        self.loras.max_bytes = options.lora_bytes
-        self.loras.directory = Path(options.lora_dir) if options.lora_dir else None
-        if options.lora_batching not in ("mixed", "grouped"):
-            raise InvalidArgument(f"LoRA batching is {options.lora_batching!r}; it is mixed or grouped")
-        self.lora_grouped = options.lora_batching == "grouped"
-        self.devices = options.devices
-        if options.attention_backend:
-            self.transformer.set_attention_backend(options.attention_backend)
-        if options.quantization != "none":  # before compiling: the compiled blocks take the FP8 layers
-            quantize_blocks(self.transformer, self.device, options.quantization)
-        if options.compile and options.devices == 1:
-            # The rewrites of the forward that compiling pays for (same math, other rounding:
-            # the CPU's eager path stays diffusers' bit for bit).
-            use_real_rotary()  # complex products would stay eager kernels inside compiled blocks
-            fuse_gelu_epilogue(self.transformer)  # the feed-forward's GELU in its GEMM's epilogue
-            self.modulation = ModulationCache(self.transformer)
-        if options.compile:
-            # Each graph bucket and real-shape variant compiles once (warmup.py); the default
-            # limit of 8 would leave later ones eager, silently.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # Automatic dynamic shapes, not dynamic=True: the 9 variants this compiles for two
-            # sizes each load from a warm cache in 1-3 s, where dynamic=True's 4 took ~8 s each
-            # (an H200, PyTorch 2.11), with the same kernel times.
-            compile_blocks(self.transformer)
-            self.compiled = True
-        if options.cuda_graphs:
-            if self.device.type != "cuda":
-                raise InvalidArgument(f"CUDA graphs need a CUDA device; this denoiser runs on {self.device}")
-            self.graphed = GraphedTransformer(
-                self.transformer,
-                transformer_forward,
-                self.device,
-                modulation_width=self.modulation.width if self.modulation is not None else None,
-            )
-        if options.compile or options.cuda_graphs:
-            config = self.transformer.config
-            self.warm_up = warm_up(
-                lambda inputs, img_shapes: transformer_forward(
-                    self.transformer, self._with_modulation(inputs), img_shapes
-                ),
-                self.graphed,
-                [self.img_shape(width, height) for width, height in options.capture_sizes],
-                options.max_batch,
-                config["in_channels"],
-                config["joint_attention_dim"],
-                self.dtype,
-                self.device,
-                defer=options.defer_warm_up and options.compile and compile_cache_is_warm(),
-            )
-        if self.graphed is not None:
-            sizes = [self.img_shape(width, height) for width, height in options.capture_sizes]
-            self.graphed.plan_idle_captures(sizes, IDLE_CAPTURE_TOKENS, self.dtype)
-
-    def _with_modulation(self, inputs: Inputs) -> Inputs:
-        """Warm-up inputs with packed modulation rows (zeros) when the forward takes them."""
-        if self.modulation is None:
-            return inputs
-        rows = inputs["latents"].shape[0]
-        zeros = torch.zeros((rows, self.modulation.width), dtype=self.dtype, device=self.device)
-        return {**inputs, "modulation": zeros}
-
-    def weights_changed(self) -> None:
-        """The weights' values changed in place (LoadWeights): drop what was computed from them."""
-        if self.modulation is not None:
-            self.modulation.clear()
-
-    def img_shape(self, width: int, height: int) -> tuple[int, int, int]:
-        """(frames, patch rows, patch columns) of an image of `width` x `height` pixels."""
-        return (1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> QwenImageDenoiseState:
         """Initial noise exactly as the pipeline draws it, timesteps, a fresh scheduler."""
@@ -363,16 +264,6 @@ class QwenImageDenoiser(LatentSteps):
             else:
                 self._step_batch(batch)
 
-    @contextlib.contextmanager
-    def _eager_with_adapters(self) -> Iterator[None]:
-        """A step with adapters runs the transformer eagerly: CUDA graphs and compiled blocks
-        were made without the adapters' hooks (a graph would replay without them)."""
-        if self.loras.active and self.compiled:
-            with torch.compiler.set_stance("force_eager"):
-                yield
-        else:
-            yield
-
     def _checked(self, state: StepState) -> QwenImageDenoiseState:
         if not isinstance(state, QwenImageDenoiseState):
             raise ValueError(f"step() needs QwenImageDenoiseState, got {type(state).__name__}")
@@ -426,11 +317,6 @@ class QwenImageDenoiser(LatentSteps):
             return
         batch = self._batch_inputs(states)
         self._batch_steps(states, self._forward_batch(batch), batch.ts)
-
-    def _forward_batch(self, batch: BatchInputs) -> torch.Tensor:
-        return self._forward(
-            batch.latents, batch.timestep, batch.embeds, batch.mask, batch.img_shapes, batch.modulation
-        )
 
     @torch.inference_mode()
     def _step_cached(self, states: list[QwenImageDenoiseState]) -> None:
@@ -498,26 +384,6 @@ class QwenImageDenoiser(LatentSteps):
         state.latents = step[0]
         state.step_index += 1
 
-    def _forward(
-        self,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor | None,
-        img_shapes: ImgShapes,
-        modulation: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        embeds = embeds.to(self.dtype)
-        if self.loras.active:
-            modulation = None  # adapters may change the modulation layers: computed in the forward
-        if self.graphed is not None and not self.loras.active:
-            replayed = self.graphed(latents, timestep, embeds, mask, img_shapes, modulation)
-            if replayed is not None:
-                return replayed
-        return transformer_forward(
-            self.transformer, forward_inputs(latents, timestep, embeds, mask, modulation), img_shapes
-        )
-
     def preview(self, state: StepState) -> np.ndarray:
         """The current latents as a small picture: unpacked to [C, h, w], the first three
         latent channels mapped to RGB, each stretched to 0..255. Cheap; no VAE."""
@@ -527,30 +393,6 @@ class QwenImageDenoiser(LatentSteps):
             state.latents.float().cpu(), request.height, request.width, self.vae_scale_factor
         )
         return latent_preview(latents[0, :, 0])
-
-    def idle_work(self) -> bool:
-        """While no request is here: load the next forward of a deferred warm-up (a warm
-        start's), else capture one more graph of a common prompt length
-        (GraphedTransformer.capture_idle); False when there is nothing left to do (or it
-        cannot be done now: adapters active, or the weights asleep off the device)."""
-        if self.loras.active or next(self.transformer.parameters()).device != self.device:
-            return False
-        if self.warm_up is not None and self.warm_up.run_next():
-            return True
-        if self.graphed is None:
-            return False
-        with torch.inference_mode():
-            return self.graphed.capture_idle()
-
-    def idle_work_left(self) -> int:
-        warm_up_left = 0 if self.warm_up is None else self.warm_up.left
-        return warm_up_left + (0 if self.graphed is None else self.graphed.idle_captures_left)
-
-    def forget_cuda_graphs(self) -> None:
-        if self.graphed is not None:
-            self.graphed.clear()
-        if self.modulation is not None:  # device memory a sleep gives back too; rebuilt on use
-            self.modulation.clear()
 
     def finish(self, state: StepState) -> StageState:
         """{"latents": packed [1, seq, C*4]} with meta "height"/"width" in pixels."""
@@ -564,54 +406,6 @@ class QwenImageDenoiser(LatentSteps):
             tensors={"latents": state.latents},
             meta={"height": str(request.height), "width": str(request.width)},
         )
-
-
-@dataclass(frozen=True)
-class BatchInputs:
-    """One batched forward's inputs (CFG doubles the rows) and each state's timestep."""
-
-    latents: torch.Tensor
-    timestep: torch.Tensor
-    embeds: torch.Tensor
-    mask: torch.Tensor | None
-    img_shapes: ImgShapes
-    ts: list[torch.Tensor]
-    modulation: torch.Tensor | None = None  # packed modulation rows, when the denoiser keeps them
-
-
-def forward_inputs(
-    latents: torch.Tensor,
-    timestep: torch.Tensor,
-    embeds: torch.Tensor,
-    mask: torch.Tensor | None,
-    modulation: torch.Tensor | None = None,
-) -> Inputs:
-    """transformer_forward's named inputs; no "mask" for an unpadded prompt, no
-    "modulation" where the forward computes it from the timestep."""
-    inputs = {"latents": latents, "timestep": timestep, "embeds": embeds}
-    if mask is not None:
-        inputs["mask"] = mask
-    if modulation is not None:
-        inputs["modulation"] = modulation
-    return inputs
-
-
-def transformer_forward(
-    transformer: QwenImageTransformer2DModel, inputs: Inputs, img_shapes: ImgShapes
-) -> torch.Tensor:
-    """The transformer call of QwenImagePipeline's loop; the timestep is scaled to [0, 1]
-    here, as the pipeline does, and "mask" may be absent (no padded prompt). With packed
-    modulation rows ("modulation", modulation.py) the transformer takes those in its place."""
-    return transformer(
-        hidden_states=inputs["latents"],
-        timestep=inputs["modulation"] if "modulation" in inputs else inputs["timestep"] / 1000,
-        guidance=None,
-        encoder_hidden_states_mask=inputs.get("mask"),
-        encoder_hidden_states=inputs["embeds"],
-        img_shapes=img_shapes,
-        attention_kwargs={},
-        return_dict=False,
-    )[0]
 
 
 def guide(noise_pred: torch.Tensor, neg_noise_pred: torch.Tensor, scale: float) -> torch.Tensor:

@@ -10,17 +10,16 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
-    ModuleDeclaration,
     OptionSpec,
     Plan,
     PlanStep,
     RoleSpec,
-    SequenceParallelPlan,
     StageContext,
     StageModel,
 )
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwenimage.prompt_template import TOKENIZER_MAX_LENGTH
-from omni_common.validation import check_options
+from omni_common.validation import check_multiple, check_options
 
 # Qwen-Image's VAE compresses 8x and the DiT packs 2x2 patches (the tiny fixture's VAE
 # compresses 4x, so 16 serves it too).
@@ -104,8 +103,7 @@ class QwenImageFamily:
             raise InvalidArgument(f"{self.name} models take no input images (text to image only)")
         check_options(dict(request.options), self.card.options, self.name)
         for side, value in (("width", request.width), ("height", request.height)):
-            if value % SIZE_MULTIPLE:
-                raise InvalidArgument(f"{side} is {value}; it must be a multiple of {SIZE_MULTIPLE}")
+            check_multiple(side, value, SIZE_MULTIPLE)
         if request.max_sequence_length > TOKENIZER_MAX_LENGTH:
             raise InvalidArgument(
                 f"max_sequence_length is {request.max_sequence_length}; "

@@ -34,7 +34,7 @@ TEXT_BUCKETS = (32, 64, 128, 256, 512, 1024)
 TEXT_ALIGN = 8  # masked graphs pad prompts to a multiple of this many tokens
 
 ImgShapes = list[list[tuple[int, int, int]]]
-# The transformer call of QwenImagePipeline's loop, on named inputs (denoise.transformer_forward).
+# The transformer call of QwenImagePipeline's loop, on named inputs (execution.transformer_forward).
 Forward = Callable[[QwenImageTransformer2DModel, Inputs, ImgShapes], torch.Tensor]
 # A piece of that forward on named inputs (the step cache's later blocks, step_cache.py).
 Part = Callable[[Inputs, ImgShapes], torch.Tensor]
@@ -120,7 +120,7 @@ def capturable_text_mask() -> Iterator[None]:
     diffusers 0.42 builds those lengths with `torch.as_tensor(int, device=...)`, a host to
     device copy that a CUDA graph capture refuses; QwenImageTransformer2DModel.forward
     discards them (it keeps the sequence length and the bool mask, which this returns the
-    same). tests/unit/models/test_qwenimage_graphs.py pins that the forward is unchanged.
+    same). tests/unit/models/qwenimage/test_graphs.py pins that the forward is unchanged.
     """
     original = transformer_qwenimage.compute_text_seq_len_from_mask
 

@@ -5,7 +5,7 @@ code: each of its four calls a block (image and text queries and keys) stays a P
 kernel of its own, 240 of them a forward (4.0 ms of a 1024x1024 step on an H200, 7.5 ms of a
 step of 8 at 512x512: benchmarks/dit_profile.py). The same products written on the cosine
 and sine fuse into the kernels around them. The math is the complex product's, term by term:
-equal to diffusers' on the CPU (tests/unit/models/test_qwenimage_rotary.py). Only traced code
+equal to diffusers' on the CPU (tests/unit/models/qwenimage/test_rotary.py). Only traced code
 takes it: an eager forward in the same process stays diffusers' own.
 """
 

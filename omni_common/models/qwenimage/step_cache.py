@@ -12,7 +12,7 @@ requests that miss only, and refresh their caches. A hit is approximate by desig
 
 With every request missing, the noise prediction is bitwise QwenImageTransformer2DModel's:
 `_preamble` and the block loop are its forward's ops in its order (diffusers 0.42;
-tests/unit/models/test_qwenimage_step_cache.py pins it).
+tests/unit/models/qwenimage/test_step_cache.py pins it).
 
 Costs: the decision reads the distances on the host, one small device sync per step (the
 host waits for block 0, so the step scheduler's launch-ahead overlap is lost on these steps).
@@ -75,7 +75,7 @@ def check_cacheable(transformer: QwenImageTransformer2DModel) -> None:
 
     zero_cond_t models (the edit variants) double the timestep embedding and modulate per
     token; the cached forward takes one embedding per row. Layerwise offload
-    (omni_common/runtime/offload.py) fetches block i + 1 in block i's pre-hook and expects
+    (omni_common/runtime/layerwise_offload.py) fetches block i + 1 in block i's pre-hook and expects
     the blocks to run round in a cycle: a step that stops after block 0 leaves block 1 in a
     slot that the next step's fetches overwrite while it is still to run (seen on the tiny
     model: latents off by 5e-2). Its hooks are the only forward hooks on the blocks (torch
@@ -126,7 +126,7 @@ class _Preamble:
 
 def _preamble(transformer: QwenImageTransformer2DModel, inputs: Inputs, img_shapes: ImgShapes) -> _Preamble:
     """QwenImageTransformer2DModel.forward up to its block loop, op for op (no guidance, no
-    additional_t_cond, no zero_cond_t), on denoise.transformer_forward's inputs ("modulation"
+    additional_t_cond, no zero_cond_t), on execution.transformer_forward's inputs ("modulation"
     included)."""
     hidden = transformer.img_in(inputs["latents"])
     # Packed modulation rows (modulation.py) stand in for the timestep where the stage keeps them.
@@ -213,7 +213,7 @@ def cached_forward(
     compute: Sequence[bool],
     graphs: GraphedTransformer | None = None,
 ) -> torch.Tensor:
-    """denoise.transformer_forward with a first-block cache per request; the later blocks
+    """execution.transformer_forward with a first-block cache per request; the later blocks
     replay as CUDA graphs through `graphs` where it pays (_later_blocks).
 
     The batch holds len(caches) requests; its rows are all requests' first rows, then all

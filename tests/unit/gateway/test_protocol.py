@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[3]
         (grpc.StatusCode.DATA_LOSS, 500, "server_error"),
     ],
 )
-def test_each_status_has_its_http_status_and_openai_error(code, status, kind) -> None:  # type: ignore[no-untyped-def]
+def test_each_status_has_its_http_status_and_openai_error(code, status, kind) -> None:
     got, body, headers = error_body(OmniError("what went wrong", code))
     assert got == status
     assert body == {
@@ -43,7 +43,7 @@ def test_each_status_has_its_http_status_and_openai_error(code, status, kind) ->
 @pytest.mark.parametrize(
     ("hint_ms", "seconds"), [(None, "1"), (1, "1"), (1000, "1"), (1001, "2"), (2500, "3")]
 )
-def test_retry_after_is_the_coordinators_hint_in_whole_seconds_rounded_up(hint_ms, seconds) -> None:  # type: ignore[no-untyped-def]
+def test_retry_after_is_the_coordinators_hint_in_whole_seconds_rounded_up(hint_ms, seconds) -> None:
     _, _, headers = error_body(ResourceExhausted("busy", retry_after_ms=hint_ms))
     assert headers == {"Retry-After": seconds}
 

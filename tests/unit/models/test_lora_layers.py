@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from omni_common.models.lora import LoraLayers, save_random_lora
+from omni_common.models.lora import LoraLayers
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.lora import read_qwenimage_lora
 
 CPU = torch.device("cpu")
@@ -44,7 +45,7 @@ def toy(tmp_path: Path) -> tuple[Toy, LoraLayers, dict[str, Path]]:
     return model, LoraLayers(model, identity, device=CPU, dtype=torch.float32), files
 
 
-def test_hooks_sit_only_where_adapters_are_and_leave_with_them(toy) -> None:  # type: ignore[no-untyped-def]
+def test_hooks_sit_only_where_adapters_are_and_leave_with_them(toy) -> None:
     model, layers, files = toy
     layers.add("first", files["first"])
     assert len(model.first._forward_hooks) == 1 and not model.second._forward_hooks
@@ -56,7 +57,7 @@ def test_hooks_sit_only_where_adapters_are_and_leave_with_them(toy) -> None:  # 
     assert not model.first._forward_hooks and layers.nbytes == 0
 
 
-def test_each_row_gets_its_own_adapters(toy) -> None:  # type: ignore[no-untyped-def]
+def test_each_row_gets_its_own_adapters(toy) -> None:
     model, layers, files = toy
     layers.add("first", files["first"])
     layers.add("both", files["both"])

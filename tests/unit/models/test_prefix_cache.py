@@ -13,7 +13,7 @@ def entry(length: int, rows: bool = True) -> PrefixEntry:
     return PrefixEntry(length, kv, kv, torch.zeros(length, 1) if rows else None)
 
 
-def keys_of(tokens: torch.Tensor, media: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+def keys_of(tokens: torch.Tensor, media: tuple[str, ...] = ()):
     return lambda n: prefix_key(tokens[:n], media)
 
 

@@ -9,7 +9,13 @@ import pytest
 
 from omni_common.errors import InvalidArgument, NotFound
 from omni_common.models.base import GenerationRequest
-from omni_common.models.registry import family_for_model_dir, get_family, model_name_for_dir
+from omni_common.models.registry import (
+    FAMILIES_ENV,
+    family_for_model_dir,
+    family_names,
+    get_family,
+    model_name_for_dir,
+)
 
 
 def test_get_family_by_name() -> None:
@@ -45,3 +51,31 @@ def test_validate_rejects_what_the_patch_grid_and_tokenizer_cannot_take(fields: 
 
 def test_validate_accepts_a_plain_request() -> None:
     get_family("qwenimage").validate(GenerationRequest(prompt="x", width=64, height=48))
+
+
+def test_a_family_outside_omnistage_is_registered_by_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tests.families.chime.model import build_tiny_fixture
+
+    assert "chime" not in family_names()
+    monkeypatch.setenv(FAMILIES_ENV, "tests.families.chime:ENTRY")
+    assert get_family("chime").name == "chime"
+    assert family_for_model_dir(build_tiny_fixture(tmp_path / "chime-tiny")).name == "chime"
+    assert family_names() == sorted(["qwenimage", "glm-image", "qwen2.5-omni", "chime"])
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("tests.families.nope:ENTRY", "cannot be imported"),
+        ("tests.families.chime.options:OPTIONS", "not a FamilyEntry"),
+        ("tests.families.chime:ENTRY,tests.families.chime:ENTRY", "chime registered twice"),
+    ],
+)
+def test_a_bad_registration_says_what_is_wrong(
+    monkeypatch: pytest.MonkeyPatch, value: str, error: str
+) -> None:
+    monkeypatch.setenv(FAMILIES_ENV, value)
+    with pytest.raises(ValueError, match=error):
+        get_family("chime")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from omni_common.models.base import GenerationRequest, ModuleDeclaration
+from omni_common.models.base import GenerationRequest
+from omni_common.models.module_layout import ModuleDeclaration
 from omni_common.models.qwenimage.decode import QwenImageDecoder
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder

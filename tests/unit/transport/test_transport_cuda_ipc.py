@@ -20,7 +20,7 @@ from omni_common.errors import InvalidArgument, NotFound, OmniError, PermissionD
 from omni_common.net.rpc import aio_server
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, cuda_ipc, route
 from omni_common.transport import transport as transport_module
-from omni_common.transport.leases import SLOT, SLOT_BYTES
+from omni_common.transport.lease_table import SLOT, SLOT_BYTES
 from omnistage.v1 import tensor_pb2
 
 from .conftest import expect, forged, set_field

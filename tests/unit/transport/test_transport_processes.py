@@ -91,7 +91,7 @@ def test_sweep_removes_a_killed_producers_segments_only(make_transport) -> None:
 def test_new_transport_sweeps_on_start(tmp_path) -> None:
     token = "ab" * 8
     (tmp_path / f"omnistage-{token}-0").write_bytes(b"x")
-    from omni_common.transport.leases import HEADER, MAGIC, VERSION
+    from omni_common.transport.lease_table import HEADER, MAGIC, VERSION
     from omni_common.transport.owner import pid_namespace
 
     dead_pid = 2**22 + 12345  # above pid_max on common systems

@@ -10,12 +10,13 @@ import pytest
 import torch
 from diffusers.models.activations import GELU
 
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.epilogue import EpilogueGELU, fuse_gelu_epilogue
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.modulation import swap_class
 
-from .conftest import CPU
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_graphs import inputs
 
 
 def test_a_transformer_with_the_epilogue_gelu_computes_as_diffusers_on_the_cpu(tiny_model: Path) -> None:

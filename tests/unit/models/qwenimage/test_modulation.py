@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from omni_common.models.base import GenerationRequest
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.modulation import ModulationCache
 from omni_common.models.qwenimage.step_cache import StepCache, cached_forward
 
-from .conftest import CPU
-from .test_qwenimage_batching import ATOL, LONG, SHORT, denoise
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_batching import ATOL, LONG, SHORT, denoise
+from .test_graphs import inputs
 
 
 @pytest.fixture(scope="module")

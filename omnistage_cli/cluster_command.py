@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `omnistage --help` builds the parser without the cluster's imports
-    from omni_common.cluster import LocalProcess
+    from omni_common.compose import LocalProcess
 
 DEFAULT_MODEL_NAME = "qwen-image-tiny"
 
@@ -122,7 +122,8 @@ def _shown(path: str) -> str:
 
 def cluster_up(args: argparse.Namespace) -> int:
     """Start the cluster, wait for health, serve until SIGINT/SIGTERM, stop everything."""
-    from omni_common.cluster import LocalCluster, load_compose, local_plan
+    from omni_common.cluster import LocalCluster
+    from omni_common.compose import load_compose, local_plan
     from omni_common.errors import OmniError
     from omni_common.transport import sweep_stale_segments
 

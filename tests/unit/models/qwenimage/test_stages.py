@@ -118,7 +118,7 @@ def test_the_decode_timings_take_turns_and_keep_each_ones_fastest(monkeypatch: p
     clock = iter(float(t) for t in range(1000))
     monkeypatch.setattr(decode.time, "perf_counter", lambda: next(clock))
 
-    def recorder(name: str):  # type: ignore[no-untyped-def]
+    def recorder(name: str):
         def run(latents: torch.Tensor, return_dict: bool) -> None:
             calls.append(name)
             if name == "compiled":

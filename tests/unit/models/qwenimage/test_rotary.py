@@ -9,11 +9,12 @@ import pytest
 import torch
 from diffusers.models.transformers import transformer_qwenimage
 
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.rotary import apply_rotary_real, rotate_real
 
-from .conftest import CPU
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_graphs import inputs
 
 DIFFUSERS_ROTARY = transformer_qwenimage.apply_rotary_emb_qwen
 

@@ -46,7 +46,7 @@ LEASE_ID_RE = re.compile(r"([0-9a-f]{16})-(0|[1-9][0-9]{0,5})-([0-9a-f]{16})")
 
 
 @dataclass(frozen=True)
-class Slot:
+class LeaseSlot:
     seq: int
     nonce: int
     segment: int
@@ -81,14 +81,14 @@ def short(lease_id: str) -> str:
     return lease_id[:8] + "…"
 
 
-def read_slot(buf: mmap.mmap, slot: int) -> Slot:
+def read_slot(buf: mmap.mmap, slot: int) -> LeaseSlot:
     """A consistent snapshot of one slot (seqlock read)."""
     base = HEADER_BYTES + slot * SLOT_BYTES
     while True:
         fields = SLOT.unpack_from(buf, base)
         if fields[0] % 2 == 0 and SEQ.unpack_from(buf, base)[0] == fields[0]:
             seq, nonce, seg, _, off, n, gen, exp, digest = fields
-            return Slot(seq, nonce, seg, off, n, gen, exp, digest)
+            return LeaseSlot(seq, nonce, seg, off, n, gen, exp, digest)
         time.sleep(0)
 
 

@@ -6,7 +6,7 @@ after each adapted linear layer, which is what the served hooks compute, term fo
 images are equal bit for bit on the CPU in fp32. `fuse_lora` folds `scale * B @ A` into the
 weight first, which rounds differently: allclose (measured 4.2e-7 on these images; ATOL 1e-5).
 Two requests with different adapters in one step equal their lone runs within batching's own
-tolerance (test_qwenimage_batching.py: ATOL 1e-5).
+tolerance (test_batching.py: ATOL 1e-5).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from omni_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from omni_common.models.base import DenoiserOptions, GenerationRequest
-from omni_common.models.lora import save_random_lora
+from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 
 ATOL = 1e-5
@@ -46,14 +46,14 @@ def request(cfg: bool = False, **changes: Any) -> GenerationRequest:
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_model: Path, split_runners):  # type: ignore[no-untyped-def]
+def runners(tiny_model: Path, split_runners):
     """The shared encoder and decoder, and a denoiser of this module's own (adapters change it)."""
     encoder, _, decoder = split_runners(torch.float32)
     return encoder, QwenImageDenoiser.load(tiny_model, CPU, torch.float32), decoder
 
 
 @pytest.fixture(scope="module")
-def adapter_files(tmp_path_factory: pytest.TempPathFactory, runners) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+def adapter_files(tmp_path_factory: pytest.TempPathFactory, runners) -> dict[str, Path]:
     """Two random adapters in diffusers' format: "a" on every linear layer (rank 4), "b" on
     the attention projections only (rank 3)."""
     root = tmp_path_factory.mktemp("loras")
@@ -70,7 +70,7 @@ def adapter_files(tmp_path_factory: pytest.TempPathFactory, runners) -> dict[str
 
 
 @pytest.fixture
-def denoiser(runners, adapter_files):  # type: ignore[no-untyped-def]
+def denoiser(runners, adapter_files):
     """The module's denoiser with adapters a and b, and nothing else left over afterwards."""
     denoiser = runners[1]
     denoiser.loras.add("a", adapter_files["a"])
@@ -82,7 +82,7 @@ def denoiser(runners, adapter_files):  # type: ignore[no-untyped-def]
     denoiser.loras.max_bytes, denoiser.loras.directory, denoiser.lora_grouped = 1 << 30, None, False
 
 
-def generate(runners, requests: list[GenerationRequest]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def generate(runners, requests: list[GenerationRequest]) -> list[torch.Tensor]:
     """Denoise the requests together (one step() per batch key and tick) and decode them."""
     encoder, denoiser, decoder = runners
     states = [denoiser.prepare(r, e) for r, e in zip(requests, encoder.encode(requests), strict=True)]

@@ -11,7 +11,7 @@ import torch
 
 from omni_common.transport import TensorTransport
 from omnistage.v1 import tensor_pb2
-from services.coordinator.step_cache import StepCache
+from services.coordinator.output_cache import StepOutputCache
 
 
 @pytest.fixture()
@@ -27,7 +27,7 @@ def state(transport: TensorTransport, nbytes: int) -> tensor_pb2.StageState:
 
 
 def test_lru_keeps_the_byte_bound_and_releases_what_it_evicts(transport: TensorTransport) -> None:
-    cache = StepCache(transport, max_bytes=3000, max_age_s=60)
+    cache = StepOutputCache(transport, max_bytes=3000, max_age_s=60)
     for key in "abc":
         entry = cache.put(key, "condition-kv", transport.address, state(transport, 1000))
         assert entry is not None
@@ -42,7 +42,7 @@ def test_lru_keeps_the_byte_bound_and_releases_what_it_evicts(transport: TensorT
 
 
 def test_a_pinned_entry_is_released_only_when_its_last_reader_is_done(transport: TensorTransport) -> None:
-    cache = StepCache(transport, max_bytes=1000, max_age_s=60)
+    cache = StepOutputCache(transport, max_bytes=1000, max_age_s=60)
     first = cache.put("a", "condition-kv", transport.address, state(transport, 1000))
     assert first is not None  # pinned by the request that made it
     second = cache.put("b", "condition-kv", transport.address, state(transport, 1000))  # evicts a
@@ -56,10 +56,10 @@ def test_a_pinned_entry_is_released_only_when_its_last_reader_is_done(transport:
 
 
 def test_entries_age_out_and_an_empty_bound_caches_nothing(transport: TensorTransport) -> None:
-    cache = StepCache(transport, max_bytes=1000, max_age_s=0.0)
+    cache = StepOutputCache(transport, max_bytes=1000, max_age_s=0.0)
     entry = cache.put("a", "condition-kv", transport.address, state(transport, 10))
     assert entry is not None
     cache.unpin(entry)
     assert cache.get("a", "condition-kv") is None and transport.live_leases() == 0
-    off = StepCache(transport, max_bytes=0, max_age_s=60)
+    off = StepOutputCache(transport, max_bytes=0, max_age_s=60)
     assert off.put("a", "condition-kv", transport.address, state(transport, 10)) is None

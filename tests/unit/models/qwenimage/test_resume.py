@@ -5,7 +5,7 @@ follows from the request, and Qwen-Image's Euler steps draw no random numbers af
 initial noise. So a request resumed from a checkpoint continues exactly: alone in its forward,
 it ends bit for bit as the uninterrupted run (fp32 and bf16). What differs after a real
 failover is the batch: the replica it resumes on steps it together with other requests, and a
-batched forward equals a lone one only up to reduction order (test_qwenimage_batching). That
+batched forward equals a lone one only up to reduction order (tests/unit/models/test_batching.py). That
 difference, measured here, is the one any request sees between a lone and a batched run.
 """
 
@@ -20,13 +20,13 @@ REQUEST = GenerationRequest(prompt="a red cat", width=32, height=32, num_inferen
 OTHER = GenerationRequest(prompt="a blue dog on a mat", width=32, height=32, num_inference_steps=6, seed=6)
 
 
-def run(denoiser, states) -> None:  # type: ignore[no-untyped-def]
+def run(denoiser, states) -> None:
     while not all(denoiser.is_done(s) for s in states):
         denoiser.step([s for s in states if not denoiser.is_done(s)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_request_resumed_alone_ends_bitwise_as_the_uninterrupted_one(split_runners, dtype) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_resumed_alone_ends_bitwise_as_the_uninterrupted_one(split_runners, dtype) -> None:
     encoder, denoiser, _ = split_runners(dtype)
     [embeds] = encoder.encode([REQUEST])
     uninterrupted = denoiser.prepare(REQUEST, embeds)
@@ -44,7 +44,7 @@ def test_a_request_resumed_alone_ends_bitwise_as_the_uninterrupted_one(split_run
     assert torch.equal(denoiser.finish(resumed).tensors["latents"], expected)
 
 
-def test_a_request_resumed_in_a_batch_differs_only_by_batching_rounding(split_runners) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_resumed_in_a_batch_differs_only_by_batching_rounding(split_runners) -> None:
     encoder, denoiser, decoder = split_runners(torch.float32)
     embeds, other_embeds = encoder.encode([REQUEST, OTHER])
     uninterrupted = denoiser.prepare(REQUEST, embeds)
@@ -66,5 +66,5 @@ def test_a_request_resumed_in_a_batch_differs_only_by_batching_rounding(split_ru
     pixels = (got_image.clamp(0, 1) * 255).round() - (expected_image.clamp(0, 1) * 255).round()
     worst_pixel = float(pixels.abs().max())
     print(f"resumed in a batch vs uninterrupted: latents {latents_diff:.3g}, 8-bit pixels {worst_pixel:g}")
-    assert latents_diff <= 1e-5  # test_qwenimage_batching's bound for a batched forward
+    assert latents_diff <= 1e-5  # test_batching.py's bound for a batched forward
     assert worst_pixel <= 1

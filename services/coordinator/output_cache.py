@@ -41,7 +41,7 @@ class CachedOutput:
     evicted: bool = False
 
 
-class StepCache:
+class StepOutputCache:
     def __init__(
         self,
         transport: TensorTransport,

@@ -28,7 +28,8 @@ from omni_common.models.base import GenerationRequest, StageState, StepRunner, S
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.calls import FINISHED_WITH, StageCall
-from omni_common.runtime.step_scheduler import FOLLOWERS_WAIT_S, StepScheduler
+from omni_common.runtime.step_policy import FOLLOWERS_WAIT_S
+from omni_common.runtime.step_scheduler import StepScheduler
 
 CPU = torch.device("cpu")
 TOL = 1e-5
@@ -88,7 +89,7 @@ async def result_of(
     raise AssertionError("no result")
 
 
-def test_requests_joining_between_steps_match_their_solo_results(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_requests_joining_between_steps_match_their_solo_results(runners, overlap) -> None:
     first = call(runners, "a red house", num_inference_steps=6, seed=1)
     late = call(runners, "a much longer prompt about a small blue boat at sea", num_inference_steps=3, seed=2)
 
@@ -115,7 +116,7 @@ def test_requests_joining_between_steps_match_their_solo_results(runners, overla
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
-def test_requests_admitted_together_start_in_one_forward(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_requests_admitted_together_start_in_one_forward(runners, overlap) -> None:
     """Four requests arriving at once: the first waits for the others being admitted, so the
     four share every forward (3 forwards for 3 steps, not a first one alone and a 4th). The
     wait's bound is raised far above the admissions' time, so a loaded machine cannot end it
@@ -134,7 +135,7 @@ def test_requests_admitted_together_start_in_one_forward(runners, overlap) -> No
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
-def test_a_batch_window_gathers_requests_that_arrive_apart(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_window_gathers_requests_that_arrive_apart(runners, overlap) -> None:
     """With a batch window, a request that arrives 100 ms after another (its state long
     prepared) still shares the other's first forward; without one the first starts alone."""
     calls = [call(runners, f"apart {i}", seed=i, num_inference_steps=3) for i in range(2)]
@@ -152,7 +153,7 @@ def test_a_batch_window_gathers_requests_that_arrive_apart(runners, overlap) -> 
     assert run_async(lambda compute: main(compute, 0.0))[0] == 1
 
 
-def test_a_request_waits_for_the_followers_its_call_announces(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_waits_for_the_followers_its_call_announces(runners, overlap) -> None:
     """A call that says 2 more like it are coming (the coordinator saw them in the encoder)
     holds its first step for them, within FOLLOWERS_WAIT_S: the 3 share every forward. One
     whose announced followers never come starts alone once the wait is over."""
@@ -177,7 +178,7 @@ def test_a_request_waits_for_the_followers_its_call_announces(runners, overlap) 
     assert sizes == [1, 1, 1] and took >= FOLLOWERS_WAIT_S
 
 
-def test_requests_one_step_finished_say_how_many_finished_with_them(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_requests_one_step_finished_say_how_many_finished_with_them(runners, overlap) -> None:
     """Results carry FINISHED_WITH when their step finished others too: the coordinator tells
     the next stage to wait for them (batching.FOLLOWERS_WAIT_S); a lone result does not."""
     pair = [call(runners, f"pair {i}", seed=i, num_inference_steps=2) for i in range(2)]
@@ -216,7 +217,7 @@ class IdleCounting(QwenImageDenoiser):
         return self.units
 
 
-def test_idle_work_runs_between_requests_and_never_beside_one(runners, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_idle_work_runs_between_requests_and_never_beside_one(runners, tiny_model: Path) -> None:
     runner = IdleCounting.load(tiny_model, CPU, torch.float32)
     c = call(runners, "a quiet stage", seed=3, num_inference_steps=3)
 
@@ -261,7 +262,7 @@ def test_idle_work_the_runner_has_from_the_start_begins_before_any_request(tiny_
     assert run_async(main) == 0 and runner.units == 0
 
 
-def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:
     calls = [
         call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
         call(runners, "plain one", seed=4),
@@ -281,7 +282,7 @@ def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(run
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
-def test_oldest_first_a_later_stream_never_starves_an_earlier_request(runners) -> None:  # type: ignore[no-untyped-def]
+def test_oldest_first_a_later_stream_never_starves_an_earlier_request(runners) -> None:
     """`other` (another size) arrives with `big`; a stream of requests with big's batch key keeps
     coming while big steps. Once big is done, `other` is the oldest and runs before them all.
 
@@ -344,7 +345,7 @@ class Poisoned:
 @pytest.mark.parametrize("poison", ["please raise", "a nan prompt"])
 def test_a_poisoned_request_fails_alone_and_its_batch_mates_finish_correctly(
     runners, overlap, poison
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     good = [call(runners, "good one", seed=1), call(runners, "good two", seed=2)]
     bad = call(runners, poison, seed=3)
 
@@ -363,7 +364,7 @@ def test_a_poisoned_request_fails_alone_and_its_batch_mates_finish_correctly(
         torch.testing.assert_close(got.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
 
 
-def test_expired_deadline_is_dropped_before_more_compute(runners) -> None:  # type: ignore[no-untyped-def]
+def test_expired_deadline_is_dropped_before_more_compute(runners) -> None:
     c = call(runners, "late", num_inference_steps=200)
     c = StageCall(c.request_id, c.request, c.inputs, deadline=time.monotonic() + 0.15)
 
@@ -382,7 +383,7 @@ def test_expired_deadline_is_dropped_before_more_compute(runners) -> None:  # ty
     assert 0 < len(steps) < 200
 
 
-def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(runners) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(runners) -> None:
     c = call(runners, "one", num_inference_steps=20)
 
     async def main(compute: Compute) -> ResourceExhausted:
@@ -400,7 +401,7 @@ def test_a_full_queue_is_resource_exhausted_with_a_retry_hint(runners) -> None: 
     assert "dit-denoise is at capacity" in err.message and err.retry_after_ms is not None
 
 
-def test_a_request_being_prepared_counts_toward_a_full_queue(runners) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_being_prepared_counts_toward_a_full_queue(runners) -> None:
     """A burst arrives faster than its requests are prepared: the bound holds all the same."""
     c = call(runners, "prepared slowly", num_inference_steps=4)
     preparing, release = threading.Event(), threading.Event()
@@ -415,7 +416,7 @@ def test_a_request_being_prepared_counts_toward_a_full_queue(runners) -> None:  
             return runners[1].prepare(request, inputs)
 
     async def main(compute: Compute) -> ResourceExhausted:
-        scheduler = StepScheduler(SlowPrepare(), compute, max_queue=1)  # type: ignore[arg-type]
+        scheduler = StepScheduler(SlowPrepare(), compute, max_queue=1)
         first = asyncio.create_task(result_of(scheduler.run(c)))
         while not preparing.is_set():
             await asyncio.sleep(0.001)
@@ -431,7 +432,7 @@ def test_a_request_being_prepared_counts_toward_a_full_queue(runners) -> None:  
     assert "at capacity (1 requests)" in err.message
 
 
-def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners, overlap) -> None:
     c = call(runners, "leaving", num_inference_steps=500)
 
     async def main(compute: Compute) -> tuple[int, int]:
@@ -450,7 +451,7 @@ def test_a_request_whose_caller_leaves_is_dropped_at_the_next_step(runners, over
     assert left == 0 and steps < 10
 
 
-def test_overlapped_steps_report_in_order_with_checkpoints_of_the_step_they_name(runners) -> None:  # type: ignore[no-untyped-def]
+def test_overlapped_steps_report_in_order_with_checkpoints_of_the_step_they_name(runners) -> None:
     c = call(runners, "checkpointed", num_inference_steps=6, seed=7)
     c = StageCall(c.request_id, c.request, c.inputs, checkpoint_every=2)
     other = call(runners, "keeps the device busy", num_inference_steps=6, seed=8)
@@ -481,7 +482,7 @@ def test_overlapped_steps_report_in_order_with_checkpoints_of_the_step_they_name
     torch.testing.assert_close(result.tensors["latents"], state.latents, atol=TOL, rtol=0)
 
 
-def test_previews_show_the_step_they_are_reported_with(runners, overlap) -> None:  # type: ignore[no-untyped-def]
+def test_previews_show_the_step_they_are_reported_with(runners, overlap) -> None:
     from omni_common.imaging import to_png
 
     c = call(runners, "previewed", num_inference_steps=5, seed=9)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
-from omni_common.runtime.offload import LayerwiseOffload
+from omni_common.runtime.layerwise_offload import LayerwiseOffload
 from tests.unit.runtime.test_memory import CPU, run_denoiser
 
 

@@ -16,7 +16,8 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 
 from omni_common.models.base import DenoiserOptions
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.graphs import (
     BATCH_BUCKETS,
     TEXT_BUCKETS,
@@ -28,7 +29,7 @@ from omni_common.models.qwenimage.graphs import (
 from omni_common.models.qwenimage.warmup import WarmUp, warm_up
 from omni_common.runtime.config import parse_sizes
 
-from .conftest import CPU
+from ..conftest import CPU
 
 ATOL = 1e-5
 
@@ -159,7 +160,7 @@ def warm_up_recorded(tiny_model: Path, sizes: list[int], defer: bool) -> tuple[W
     config = denoiser.transformer.config
     shapes: Shapes = []
 
-    def forward(inputs, img_shapes):  # type: ignore[no-untyped-def]
+    def forward(inputs, img_shapes):
         rows, tokens = inputs["embeds"].shape[:2]
         shapes.append((rows, tokens, inputs["latents"].shape[1]))
         return transformer_forward(denoiser.transformer, inputs, img_shapes)
@@ -171,7 +172,7 @@ def warm_up_recorded(tiny_model: Path, sizes: list[int], defer: bool) -> tuple[W
     return warm, shapes
 
 
-def test_the_warm_up_runs_every_shape_and_says_how_far_it_is(tiny_model: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_the_warm_up_runs_every_shape_and_says_how_far_it_is(tiny_model: Path, caplog) -> None:
     with caplog.at_level("INFO", logger="omnistage.warmup"):
         warm, shapes = warm_up_recorded(tiny_model, [64], defer=False)
     assert shapes == [(1, 17, 64), (1, 23, 64), (1, 23, 64), (2, 17, 64), (2, 23, 64), (2, 23, 64)]

@@ -25,20 +25,16 @@ import torch
 
 from omni_common.errors import FailedPrecondition, InvalidArgument
 from omni_common.models.base import GenerationRequest
-from omni_common.models.qwenimage.denoise import (
-    QwenImageDenoiser,
-    QwenImageDenoiseState,
-    forward_inputs,
-    transformer_forward,
-)
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser, QwenImageDenoiseState
+from omni_common.models.qwenimage.execution import forward_inputs, transformer_forward
 from omni_common.models.qwenimage.family import QwenImageFamily
 from omni_common.models.qwenimage.step_cache import StepCache, cached_forward
-from omni_common.runtime.offload import LayerwiseOffload
+from omni_common.runtime.layerwise_offload import LayerwiseOffload
 from tests.unit.models.conftest import CPU
 
 SHORT, LONG = "a cat", "a red cat sitting on a blue mat under a green tree"
 NEGATIVE = "blurry, low quality, watermark"
-ATOL = 1e-5  # batched vs alone (test_qwenimage_batching.py's tolerance and its reasons)
+ATOL = 1e-5  # batched vs alone (test_batching.py's tolerance and its reasons)
 MIN_PSNR = 55.0
 
 

@@ -13,8 +13,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import StageState, StepState
-
-Branch = Callable[[], torch.Tensor]
+from omni_common.models.capabilities import Branch
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""What a step scheduler keeps of its requests and steps: a `Job` (a request being stepped,
+and its events to the caller), a `Launched` step (what its reports need once the device has
+run it, made by `advance` on the compute thread) and the log line of a finished job."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_common.errors import OmniError
+from omni_common.imaging import to_png
+from omni_common.models.base import StageState, StepRunner, StepState
+from omni_common.models.capabilities import StreamingRunner
+from omni_common.net import tracing
+from omni_common.runtime.calls import Progress, StageCall
+
+log = logging.getLogger("omnistage.steps")
+Event = Progress | StageState | OmniError
+
+
+@dataclass(eq=False)
+class Job:
+    call: StageCall
+    state: StepState
+    cost: int  # compute units of one step
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    gone: bool = False  # the caller stopped listening (cancelled, disconnected, done)
+    pump: asyncio.Task[None] | None = None  # moves a streaming call's input chunks in
+    partial: StageState | None = None  # the chunk its last step made (streaming runners)
+    last_step: float = 0.0  # time.monotonic() of its last step; 0 before the first
+    finishing: bool = False  # its last launched step finished it: never step it again
+    admitted: float = field(default_factory=time.monotonic)
+    waiting: Any = tracing.NO_SPAN  # its wait for its first step (tracing.start)
+    steps_ms: list[float] = field(default_factory=list)  # each step's time (device time on a GPU)
+    batches: list[int] = field(default_factory=list)  # the batch size of each of its steps
+
+    def end_wait(self) -> None:
+        self.waiting.end()
+        self.waiting = tracing.NO_SPAN
+
+
+@dataclass(eq=False)
+class Launched:
+    """One step launched for `jobs`, and what their reports need once it has completed: the
+    step each job reached, its NaN flag (maybe still on the device), its checkpoint."""
+
+    jobs: list[Job]
+    done: list[int]
+    finished: list[bool]  # the step was the job's last (runner.is_done after it)
+    finite: list[bool | torch.Tensor]
+    checkpoints: list[StageState | None]
+    previews: list[bool]  # a preview is due: the step completes before the next launch
+    started_at: float  # time.perf_counter() at launch
+    start: torch.cuda.Event | None = None  # device events around the step (CUDA only)
+    end: torch.cuda.Event | None = None
+
+    @property
+    def wait(self) -> bool:
+        """Complete it before launching the next: a preview reads the state."""
+        return any(self.previews)
+
+
+def advance(runner: StepRunner, batch: list[Job], streaming: StreamingRunner | None, timed: bool) -> Launched:
+    """One step of `batch` on the compute thread, and what its reports will need: (streaming)
+    the chunks it made, the NaN flags and checkpoints, the device events around it (`timed`:
+    CUDA). Nothing here waits for the device, except a streaming runner reading its tokens."""
+    started_at, start, end = time.perf_counter(), None, None
+    if timed:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+    runner.step([job.state for job in batch])
+    for job in batch:
+        job.finishing = runner.is_done(job.state)
+    if streaming is not None:
+        for job in batch:
+            job.partial = streaming.take_partial(job.state)
+    launched = Launched(
+        jobs=batch,
+        done=[job.state.step_index for job in batch],
+        finished=[job.finishing for job in batch],
+        finite=flags_on_host([runner.is_finite(job.state) for job in batch]),
+        checkpoints=[checkpoint_due(runner, job) for job in batch],
+        previews=[preview_due(job) for job in batch],
+        started_at=started_at,
+    )
+    if timed:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        launched.start, launched.end = start, end
+    return launched
+
+
+def checkpoint_due(runner: StepRunner, job: Job) -> StageState | None:
+    every, done = job.call.checkpoint_every, job.state.step_index
+    if every and done % every == 0 and done < job.state.total_steps:
+        return runner.checkpoint(job.state)
+    return None
+
+
+def preview_due(job: Job) -> bool:
+    every, done = job.call.preview_every, job.state.step_index
+    return bool(every) and (done % every == 0 or done == job.state.total_steps)
+
+
+def preview_png(runner: StepRunner, state: StepState) -> bytes:
+    picture = runner.preview(state)
+    return b"" if picture is None else to_png(picture)
+
+
+def log_steps(name: str, job: Job) -> None:
+    """Where a finished request's steps went: its first step (a new shape's compile or graph
+    capture shows there), the median of the rest, and the batches it stepped in."""
+    steps = job.steps_ms
+    later = sorted(steps[1:]) or steps
+    log.info(
+        "request %s: %d steps on %s in %.0f ms: first %.1f ms, median %.1f ms; batches %s",
+        job.call.request_id,
+        len(steps),
+        name,
+        sum(steps),
+        steps[0],
+        later[len(later) // 2],
+        runs_of(job.batches),
+    )
+
+
+def runs_of(sizes: list[int]) -> str:
+    """Batch sizes as runs: [1, 8, 8, 8] -> "1, 8x3"."""
+    runs: list[list[int]] = []
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return ", ".join(f"{size}x{count}" if count > 1 else str(size) for size, count in runs)
+
+
+def flags_on_host(flags: list[bool | torch.Tensor]) -> list[bool | torch.Tensor]:
+    """NaN flags as host values; flags on a GPU are copied into pinned memory without waiting
+    (valid once the step's end event, recorded after the copy, has passed): reading a device
+    value directly would wait for every step queued behind it."""
+    if not flags or not all(isinstance(f, torch.Tensor) and f.is_cuda for f in flags):
+        return [bool(flag) for flag in flags]
+    device = torch.stack([torch.as_tensor(flag).reshape(()) for flag in flags])
+    host = torch.empty(device.shape, dtype=torch.bool, pin_memory=True)
+    host.copy_(device, non_blocking=True)
+    return list(host)
+
+
+def joined(parts: list[Launched]) -> Launched | None:
+    """Steps launched one job at a time (after a batch failed), reported as one."""
+    if not parts:
+        return None
+    return Launched(
+        jobs=[job for part in parts for job in part.jobs],
+        done=[done for part in parts for done in part.done],
+        finished=[f for part in parts for f in part.finished],
+        finite=[flag for part in parts for flag in part.finite],
+        checkpoints=[c for part in parts for c in part.checkpoints],
+        previews=[p for part in parts for p in part.previews],
+        started_at=parts[0].started_at,
+        start=parts[0].start,
+        end=parts[-1].end,
+    )
