@@ -1,7 +1,7 @@
 """--quantization fp8 on a GPU (compute capability 8.9+: H100, L40, RTX 4090), on the tiny
 fixture in bf16: the FP8 layer's product is cuBLASLt's row-wise scaled one, the stage's
 compiled blocks and CUDA graphs run the FP8 layers, and the latents stay within FP8 rounding of
-the bf16 ones (the CPU tests' bound, tests/unit/models/test_qwenimage_fp8.py)."""
+the bf16 ones (the CPU tests' bound, tests/unit/models/qwenimage/test_fp8.py)."""
 
 from __future__ import annotations
 

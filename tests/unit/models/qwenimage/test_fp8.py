@@ -21,15 +21,16 @@ from omni_common.errors import FailedPrecondition, InvalidArgument, Unimplemente
 from omni_common.execution.fp8 import FP8, Float8Linear
 from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState
 from omni_common.models.glm_image.family import GlmImageFamily
-from omni_common.models.lora import save_random_lora
-from omni_common.models.qwenimage.denoise import QwenImageDenoiser, transformer_forward
+from omni_common.models.lora_files import save_random_lora
+from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.models.qwenimage.execution import transformer_forward
 from omni_common.models.qwenimage.fp8 import quantize_blocks
 from omni_common.runtime.config import StageConfig, add_stage_args, stage_config
 from omni_common.runtime.hot_reload import planned_copies
 from services.dit_denoise.worker import DenoiseWorker
 
-from .conftest import CPU
-from .test_qwenimage_graphs import inputs
+from ..conftest import CPU
+from .test_graphs import inputs
 
 ROUNDING = 2**-4
 LINEARS_PER_BLOCK = 12  # q/k/v and out of each stream (8), two feed-forward layers per stream (4)
