@@ -20,6 +20,7 @@ Imported by gpu_headline.py and multi_gpu.py (run from benchmarks/ or with it on
 
 from __future__ import annotations
 
+import argparse
 import gc
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,23 @@ def load(
         )
         transformer.forward = _cloning(compiled)
     return pipe
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """--diffusers-modes and --diffusers-backend, as both benchmarks take them."""
+    parser.add_argument(
+        "--diffusers-modes",
+        nargs="*",
+        choices=MODES,
+        default=list(DEFAULT_MODES),
+        help="how diffusers' transformer is compiled, each timed in turn (none: skip diffusers); "
+        "the faster counts at each size (add max-autotune for inductor's autotuning: long compiles)",
+    )
+    parser.add_argument(
+        "--diffusers-backend",
+        default="inductor",
+        help="torch.compile backend of diffusers' side; aot_eager only to try the script on a CPU",
+    )
 
 
 def _cloning(forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -480,19 +480,7 @@ def main() -> None:
     parser.add_argument(
         "--diffusers-compile", type=int, default=1, help="0: diffusers eager only (not its best setting)"
     )
-    parser.add_argument(
-        "--diffusers-modes",
-        nargs="+",
-        choices=diffusers_best.MODES,
-        default=list(diffusers_best.DEFAULT_MODES),
-        help="how diffusers' transformer is compiled, each timed (diffusers_best.py); the faster "
-        "counts at each size (add max-autotune for inductor's autotuning: long compiles)",
-    )
-    parser.add_argument(
-        "--diffusers-backend",
-        default="inductor",
-        help="torch.compile backend of diffusers' side; aot_eager only to try the script on a CPU",
-    )
+    diffusers_best.add_args(parser)
     parser.add_argument(
         "--diffusers-options",
         choices=("default", "cluster"),
@@ -514,6 +502,8 @@ def main() -> None:
     args = parser.parse_args()
     if not args.diffusers_compile:
         args.diffusers_modes = ["eager"]
+    if not args.diffusers_modes:
+        raise SystemExit("--diffusers-modes: name at least one; the headline compares with diffusers")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_headline.py needs a CUDA device")
     if args.only_diffusers:

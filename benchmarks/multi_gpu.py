@@ -161,17 +161,7 @@ def main() -> None:
         "--one-gpu-eager", type=int, default=1, help="1: also the 1-GPU DiT without compile/graphs"
     )
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
-    parser.add_argument(
-        "--diffusers-modes",
-        nargs="*",
-        choices=diffusers_best.MODES,
-        default=list(diffusers_best.DEFAULT_MODES),
-        help="diffusers on one GPU, compiled each of these ways (none: skip); the faster is the "
-        "competitor at each size",
-    )
-    parser.add_argument(
-        "--diffusers-backend", default="inductor", help="aot_eager only to try the script on a CPU"
-    )
+    diffusers_best.add_args(parser)
     parser.add_argument(
         "--cpu", action="store_true", help="gloo workers on the CPU: to try the script on a tiny model"
     )
