@@ -3,9 +3,12 @@ stages as one canonical file.
 
 The coordinator decodes every clip at the edge (a clip that is not audio, has no samples or is
 longer than `MAX_AUDIO_SECONDS` is INVALID_ARGUMENT there, before any stage runs) and hands the
-stages a WAV or FLAC file: raw PCM is wrapped into a WAV of the same samples, so a stage reads
-one self-describing format and the rate travels with the bytes. The stages decode it again with
-the same code (a stage may be called directly), so both sides see the same samples.
+stages a WAV or FLAC file: raw PCM and MP3 are wrapped into a WAV of their samples (MP3 is
+decoded once, here, so no stage depends on its decoder), so a stage reads one self-describing
+format and the rate travels with the bytes. The stages decode it again with the same code (a
+stage may be called directly), so both sides see the same samples. FLAC and MP3 are read by
+libsndfile (the soundfile package), a block at a time, so a file that would decode to more
+than the limit is refused before it is all in memory.
 
 Integer PCM maps to [-1, 1) by dividing by 2^(bits-1) (soundfile's and librosa's convention);
 several channels are averaged to mono (librosa's `mono=True`). Nothing is resampled: a family
@@ -20,16 +23,18 @@ import struct
 from collections.abc import Mapping
 
 import numpy as np
+import soundfile
 import torch
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import INPUT_PREFIX, AudioInput, input_audio_name
+from omni_common.input_media import INPUT_PREFIX, AudioInput, input_audio_name
 from omnistage.v1 import coordinator_pb2 as cpb
 
 MAX_AUDIO_SECONDS = 600  # the server's limit on one clip, whatever the model takes
 MIN_RATE, MAX_RATE = 1_000, 384_000
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE
 RAW_FORMATS = {cpb.AUDIO_INPUT_FORMAT_PCM16: "<i2", cpb.AUDIO_INPUT_FORMAT_FLOAT32: "<f4"}
+READ_BLOCK = 1 << 16  # frames libsndfile decodes at a time
 
 
 def canonical_audio(clip: cpb.InputAudio, *, index: int) -> bytes:
@@ -50,6 +55,9 @@ def canonical_audio(clip: cpb.InputAudio, *, index: int) -> bytes:
         data = wav_bytes(samples, clip.sample_rate)
     elif clip.format in (cpb.AUDIO_INPUT_FORMAT_WAV, cpb.AUDIO_INPUT_FORMAT_FLAC):
         data = clip.data
+    elif clip.format == cpb.AUDIO_INPUT_FORMAT_MP3:
+        samples, rate = _checked(*_decode_soundfile(clip.data, index, "MP3"), index)
+        data = wav_bytes(samples, rate)
     else:
         raise InvalidArgument(f"input audio {index}: unknown format {clip.format}")
     _, rate = decode_audio_file(data, index=index)
@@ -72,9 +80,14 @@ def decode_audio_file(data: bytes, *, index: int = 0) -> tuple[np.ndarray, int]:
     if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
         samples, rate = _decode_wav(data, index)
     elif data[:4] == b"fLaC":
-        samples, rate = _decode_flac(data, index)
+        samples, rate = _decode_soundfile(data, index, "FLAC")
     else:
         raise InvalidArgument(f"input audio {index} is not a WAV or FLAC file")
+    return _checked(samples, rate, index)
+
+
+def _checked(samples: np.ndarray, rate: int, index: int) -> tuple[np.ndarray, int]:
+    """`samples` and `rate` if they are a clip within the limits; INVALID_ARGUMENT if not."""
     if not MIN_RATE <= rate <= MAX_RATE:
         raise InvalidArgument(
             f"input audio {index} has a sample rate of {rate} Hz; allowed: [{MIN_RATE}, {MAX_RATE}]"
@@ -142,21 +155,30 @@ def _decode_wav(data: bytes, index: int) -> tuple[np.ndarray, int]:
     return values.reshape(-1, channels).mean(axis=1).astype(np.float32), rate
 
 
-def _decode_flac(data: bytes, index: int) -> tuple[np.ndarray, int]:
+def _decode_soundfile(data: bytes, index: int, kind: str) -> tuple[np.ndarray, int]:
+    """A FLAC or MP3 file (`kind`, libsndfile's name) as float32 mono samples and its rate, read
+    a block at a time: more than MAX_AUDIO_SECONDS is refused before it is all decoded (a few
+    MiB of FLAC silence or of 8 kbps MP3 would otherwise decode to GiBs)."""
     try:
-        import soundfile  # optional: not a dependency of the server
-    except ImportError:
+        with soundfile.SoundFile(io.BytesIO(data)) as file:
+            if file.format != kind:
+                raise InvalidArgument(f"input audio {index} is not a {kind} file")
+            rate, limit = file.samplerate, MAX_AUDIO_SECONDS * file.samplerate
+            blocks: list[np.ndarray] = []
+            frames = 0
+            while len(block := file.read(READ_BLOCK, dtype="float32", always_2d=True)):
+                blocks.append(block.mean(axis=1, dtype=np.float32))
+                frames += len(block)
+                if frames > limit:
+                    raise InvalidArgument(
+                        f"input audio {index} lasts over {MAX_AUDIO_SECONDS} s; "
+                        f"this server takes at most {MAX_AUDIO_SECONDS} s"
+                    )
+    except (RuntimeError, ValueError) as err:  # LibsndfileError is a RuntimeError
         raise InvalidArgument(
-            f"input audio {index} is FLAC, which this server cannot decode (no soundfile package); "
-            "send WAV or PCM"
+            f"input audio {index}: the {kind} file does not decode ({type(err).__name__})"
         ) from None
-    try:
-        values, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (RuntimeError, ValueError) as err:
-        raise InvalidArgument(
-            f"input audio {index}: the FLAC file does not decode ({type(err).__name__})"
-        ) from None
-    return values.mean(axis=1).astype(np.float32), int(rate)
+    return (np.concatenate(blocks) if blocks else np.zeros(0, np.float32)), int(rate)
 
 
 def input_audios(tensors: Mapping[str, torch.Tensor]) -> tuple[AudioInput, ...]:

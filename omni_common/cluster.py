@@ -1,11 +1,14 @@
 """Local processes for a plan (omni_common/compose.py reads one from docker-compose.yml, or
 `loopback_plan` makes one): started in order, each waited for until healthy, stopped
 together (SIGTERM, then SIGKILL) with every child they made. `omnistage cluster up`, the
-end-to-end tests and the benchmarks run the cluster this way.
+end-to-end tests and the benchmarks run the cluster this way. A launcher killed outright (no
+`stop`) leaves nothing running: each service is started with its launcher's pid
+(--parent-pid) and drains, as on SIGTERM, once that process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -172,7 +175,13 @@ class LocalCluster:
                 make_certs(path.parent, SERVICES)
 
     def _spawn(self, proc: LocalProcess) -> None:
-        env = {**os.environ, **proc.environment, "PYTHONUNBUFFERED": "1"}
+        # Each service stops once this process is gone (runtime/serve.py: stop_with_parent).
+        env = {
+            **os.environ,
+            **proc.environment,
+            "PYTHONUNBUFFERED": "1",
+            "OMNISTAGE_PARENT_PID": str(os.getpid()),
+        }
         if self.token_file is not None:
             env["OMNISTAGE_CLUSTER_TOKEN_FILE"] = str(self.token_file)
         if "OMNISTAGE_THREADS" not in env and is_stage(proc):
@@ -190,7 +199,7 @@ class LocalCluster:
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,
+            start_new_session=True,  # its own process group: what `stop` kills at the end of the grace
         )
         self.pids.add(self.processes[proc.name].pid)
         LocalCluster.started.add(self.processes[proc.name].pid)
@@ -214,7 +223,8 @@ class LocalCluster:
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 40.0) -> None:
-        """SIGTERM in reverse start order; SIGKILL whatever outlives the grace period."""
+        """SIGTERM in reverse start order; SIGKILL whatever outlives the grace period, with
+        every process it started (its process group: a replica's device workers)."""
         self._note_children()
         for popen in reversed(list(self.processes.values())):
             if popen.poll() is None:
@@ -224,7 +234,8 @@ class LocalCluster:
             try:
                 popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                popen.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(popen.pid, signal.SIGKILL)  # the process and every one it started
                 popen.wait()
         self.processes.clear()
         if self.token_file is not None:

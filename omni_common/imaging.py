@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import INPUT_PREFIX, ImageInput, input_image_name
+from omni_common.input_media import INPUT_PREFIX, ImageInput, input_image_name
 
 
 def to_rgb8(image: torch.Tensor) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The one set of limits on what a caller may ask for, shared by every path that takes it:
-a request's fields (omni_common/validation.py) and the admin calls that set the same things
+a request's fields (omni_common/models/validation.py) and the admin calls that set the same things
 (StageControl.AddLora's scale, for one). A limit written twice drifts: AddLora once accepted
 a scale of 1e38 that requests were refused, and a request then using that adapter failed
 with NaN."""

@@ -13,7 +13,7 @@ from PIL import Image
 from omnistage.v1 import coordinator_pb2 as cpb
 
 ImageLike = Image.Image | bytes | str | os.PathLike[str]
-# A WAV or FLAC file (its bytes or its path), or float samples in [-1, 1] with their rate.
+# A WAV, FLAC or MP3 file (its bytes or its path), or float samples in [-1, 1] with their rate.
 AudioLike = bytes | str | os.PathLike[str] | tuple[np.ndarray, int]
 
 
@@ -32,7 +32,7 @@ def image_bytes(image: ImageLike) -> bytes:
 
 def input_audio(audio: AudioLike) -> cpb.InputAudio:
     """An input clip: samples travel as raw float32 PCM at their rate, files as they are (FLAC
-    when they start like one, else WAV; the server checks them)."""
+    or MP3 when they start like one, else WAV; the server checks them)."""
     if isinstance(audio, tuple):
         samples, rate = audio
         data = np.ascontiguousarray(samples, dtype="<f4").reshape(-1).tobytes()
@@ -40,8 +40,17 @@ def input_audio(audio: AudioLike) -> cpb.InputAudio:
     if not isinstance(audio, bytes):
         with open(audio, "rb") as file:
             audio = file.read()
-    kind = cpb.AUDIO_INPUT_FORMAT_FLAC if audio[:4] == b"fLaC" else cpb.AUDIO_INPUT_FORMAT_WAV
-    return cpb.InputAudio(data=audio, format=kind)
+    return cpb.InputAudio(data=audio, format=audio_file_format(audio))
+
+
+def audio_file_format(data: bytes) -> cpb.AudioInputFormat:
+    """An audio file's AudioInputFormat from its first bytes: FLAC's "fLaC", MP3's ID3v2 tag or
+    frame sync (11 set bits), else WAV (which the server checks like any other)."""
+    if data[:4] == b"fLaC":
+        return cpb.AUDIO_INPUT_FORMAT_FLAC
+    if data[:3] == b"ID3" or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return cpb.AUDIO_INPUT_FORMAT_MP3
+    return cpb.AUDIO_INPUT_FORMAT_WAV
 
 
 def input_media(audios: Sequence[AudioLike] = (), images: Sequence[ImageLike] = ()) -> list[cpb.InputMedia]:

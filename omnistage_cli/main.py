@@ -27,8 +27,11 @@ def _run_service(args: argparse.Namespace) -> int:
     from omni_common.net import tracing
     from omni_common.runtime.config import coordinator_config, gateway_config, stage_config
     from omni_common.runtime.logging import setup_logging
+    from omni_common.runtime.serve import stop_with_parent
 
     setup_logging(args.service)
+    if args.parent_pid:
+        stop_with_parent(args.parent_pid)
     tracing.setup(args.service)  # OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set
     if args.service == "gateway":
         from services.gateway.server import main as gateway_main

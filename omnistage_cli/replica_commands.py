@@ -71,8 +71,9 @@ def _control(args: argparse.Namespace) -> int:
         try:
             if args.command == "profile":
                 started = stub.StartProfile(stage_pb2.StartProfileRequest(name=args.name), timeout=30)
-                print(f"profiling {args.address} into {started.path} for {args.seconds:g} s", file=sys.stderr)
-                try:
+                try:  # from the line on: a Ctrl-C right after it still stops the replica's profile
+                    said = f"profiling {args.address} into {started.path} for {args.seconds:g} s"
+                    print(said, file=sys.stderr)
                     time.sleep(args.seconds)
                 except KeyboardInterrupt:  # Ctrl-C ends the recording early; the replica must stop it
                     print("interrupted: stopping the profile", file=sys.stderr)

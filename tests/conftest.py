@@ -56,6 +56,15 @@ def assert_no_segment_added(before: set[str], owners: Collection[int] = ()) -> N
     assert not added, f"shared-memory segments left behind: {sorted(added)}"
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` is a process that still runs (a zombie, dead but not yet reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Qwen-Image fixture (diffusers layout), built once per session."""

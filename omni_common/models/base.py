@@ -26,36 +26,11 @@ import numpy as np
 import torch
 
 from omni_common.errors import Unimplemented
+from omni_common.input_media import INPUT_PREFIX, AudioInput, ImageInput
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGES
 
 RunnerKind = Literal["batch", "steps", "async"]
-# Where a plan step reads the request's own inputs: "input.image.0", "input.image.1", ...
-INPUT_PREFIX = "input."
-
-
-def input_image_name(index: int) -> str:
-    """The tensor name of the request's `index`-th input image (its encoded file bytes, uint8)."""
-    return f"{INPUT_PREFIX}image.{index}"
-
-
-def input_audio_name(index: int) -> str:
-    """The tensor name of the request's `index`-th input audio clip (a WAV or FLAC file's bytes,
-    uint8; raw PCM arrives at the stages wrapped as WAV)."""
-    return f"{INPUT_PREFIX}audio.{index}"
-
-
-@dataclass(frozen=True)
-class AudioInput:
-    """What validation and planning know of an input audio clip once decoded."""
-
-    sample_rate: int
-    frames: int  # samples per channel
-    digest: str  # sha256 of the file bytes the stages get, hex: the content address of caches
-
-    @property
-    def seconds(self) -> float:
-        return self.frames / self.sample_rate
 
 
 @dataclass(frozen=True)
@@ -65,16 +40,6 @@ class ChatTurn:
 
     role: str
     parts: tuple[tuple[str, str | int], ...]
-
-
-@dataclass(frozen=True)
-class ImageInput:
-    """What validation and planning know of an input image without decoding its pixels."""
-
-    width: int
-    height: int
-    format: str  # PIL's name: "PNG", "JPEG", ...
-    digest: str  # sha256 of the encoded bytes, hex: the content address of caches
 
 
 @dataclass(frozen=True)

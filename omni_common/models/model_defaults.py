@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import ModelCard
-from omni_common.validation import DEFAULTS, check_options
+from omni_common.models.validation import DEFAULTS, check_options
 
 DEFAULTS_FILE = "omnistage.json"
 

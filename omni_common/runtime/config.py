@@ -70,11 +70,16 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class Listener:
-    """Where a service listens (every service, the HTTP gateway included)."""
+    """Where a service listens, and whose child it is (every service, the HTTP gateway included)."""
 
     host: str = setting("127.0.0.1", "interface to bind")
     port: int = setting(
         0, "port to listen on (0 = any free port); the gateway's speaks HTTP", by_service=DEFAULT_PORTS
+    )
+    # Set by the launcher that starts the service as its child (LocalCluster: `cluster up`, the
+    # tests, the benchmarks), so that a launcher killed outright leaves no service behind.
+    parent_pid: int = setting(
+        0, "stop (as on SIGTERM) once the process of this pid is no longer the parent (0 = never)"
     )
 
     @property

@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -125,6 +127,26 @@ def _recording_services(server: grpc.aio.Server) -> list[str]:
 
     server.add_registered_method_handlers = recording
     return names
+
+
+# How often a service checks that its launcher is still its parent (stop_with_parent).
+PARENT_POLL_S = 0.5
+
+
+def stop_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process, the drain its launcher's own stop would start, once `parent_pid` is
+    no longer its parent. A launcher killed outright (SIGKILL) cannot stop its children, and
+    they would run on, reparented; a thread that polls, as a replica's device workers poll
+    theirs (runtime/rank.py), works wherever the launcher started it from (PR_SET_PDEATHSIG
+    fires when the launcher's starting *thread* ends, and on Linux only)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log.warning("the launcher (pid %d) is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import grpc
 import torch
@@ -25,6 +25,7 @@ from omni_common.errors import DeadlineExceeded, InvalidArgument, NotFound, Omni
 from omni_common.imaging import input_images
 from omni_common.models.base import GenerationRequest, ModelFamily, StageState
 from omni_common.models.model_defaults import ModelDefaults
+from omni_common.models.validation import check_request_id, to_request
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.feeds import Chunk, Feeds, Inbox
@@ -35,7 +36,6 @@ from omni_common.runtime.serve import advertised_address, serve
 from omni_common.runtime.stage_control import ControlledWorker, StageControlServicer
 from omni_common.runtime.step_scheduler import StepTotals
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
-from omni_common.validation import check_request_id, to_request
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.stage")
@@ -97,6 +97,18 @@ class StageWorker(ControlledWorker, Protocol):
     def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
         ...
+
+    def close(self) -> None:
+        """Free what the worker holds (its device worker processes, its shared memory)."""
+        ...
+
+
+@runtime_checkable
+class LosesDeviceWorkers(Protocol):
+    """A worker spread over device worker processes (worker_group.py): it calls `on_lost` with
+    the reason once one of them is gone."""
+
+    on_lost: Callable[[str], None] | None
 
 
 def check_finite(tensors: dict[str, torch.Tensor]) -> None:
@@ -374,7 +386,7 @@ async def serve_stage(
     def cleanup() -> None:
         for task in background:
             task.cancel()
-        getattr(worker, "close", lambda: None)()
+        worker.close()
         transport.close()
 
     def idle() -> bool:
@@ -417,7 +429,7 @@ def _stop_when_lost(
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         stopping.set()
 
-    if hasattr(worker, "on_lost"):
+    if isinstance(worker, LosesDeviceWorkers):
         loop = asyncio.get_running_loop()
 
         def on_lost(reason: str) -> None:  # from the group's watcher thread

@@ -20,6 +20,7 @@ class AudioInputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_INPUT_FORMAT_FLAC: _ClassVar[AudioInputFormat]
     AUDIO_INPUT_FORMAT_PCM16: _ClassVar[AudioInputFormat]
     AUDIO_INPUT_FORMAT_FLOAT32: _ClassVar[AudioInputFormat]
+    AUDIO_INPUT_FORMAT_MP3: _ClassVar[AudioInputFormat]
 
 class ImageFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ AUDIO_INPUT_FORMAT_WAV: AudioInputFormat
 AUDIO_INPUT_FORMAT_FLAC: AudioInputFormat
 AUDIO_INPUT_FORMAT_PCM16: AudioInputFormat
 AUDIO_INPUT_FORMAT_FLOAT32: AudioInputFormat
+AUDIO_INPUT_FORMAT_MP3: AudioInputFormat
 IMAGE_FORMAT_PNG: ImageFormat
 IMAGE_FORMAT_RGB8: ImageFormat
 

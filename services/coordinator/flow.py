@@ -38,7 +38,8 @@ import grpc
 import torch
 
 from omni_common.errors import NotFound, OmniError, Unavailable
-from omni_common.models.base import INPUT_PREFIX, Plan, PlanStep
+from omni_common.input_media import INPUT_PREFIX
+from omni_common.models.base import Plan, PlanStep
 from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH
 from omni_common.transport import Consumer, TensorTransport

@@ -28,14 +28,10 @@ from omni_common.errors import (
     abort,
 )
 from omni_common.imaging import inspect_image
-from omni_common.models.base import INPUT_PREFIX, Plan, input_audio_name, input_image_name
+from omni_common.input_media import INPUT_PREFIX, input_audio_name, input_image_name
+from omni_common.models.base import Plan
 from omni_common.models.registry import find_family
-from omni_common.net.auth import Caller, api_keys, caller, cluster_tokens
-from omni_common.runtime.config import CoordinatorConfig
-from omni_common.runtime.metrics import CoordinatorMetrics
-from omni_common.runtime.serve import advertised_address, run, serve
-from omni_common.transport import TensorTransport, add_tensor_store
-from omni_common.validation import (
+from omni_common.models.validation import (
     check_media_parts,
     check_options,
     check_request_id,
@@ -45,6 +41,11 @@ from omni_common.validation import (
     to_request,
     with_defaults,
 )
+from omni_common.net.auth import Caller, api_keys, caller, cluster_tokens
+from omni_common.runtime.config import CoordinatorConfig
+from omni_common.runtime.metrics import CoordinatorMetrics
+from omni_common.runtime.serve import advertised_address, run, serve
+from omni_common.transport import TensorTransport, add_tensor_store
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.flow import RequestFlow

@@ -2,7 +2,7 @@
 user and assistant turns whose user turns may hold media, as OpenAI's chat API sends them.
 
 Content is a string or a list of parts: {"type": "text", "text"}, {"type": "input_audio",
-"input_audio": {"data": base64, "format": "wav" or "flac"}} and {"type": "image_url",
+"input_audio": {"data": base64, "format": "wav", "flac" or "mp3"}} and {"type": "image_url",
 "image_url": {"url": "data:image/...;base64,..."}}. Images come as data URLs only: this server
 never fetches a URL (a request must not make it reach into the network). The media's bytes are
 checked by the coordinator (not audio, 0 s, too long, a rate the model does not hear: 400);
@@ -23,7 +23,7 @@ from services.gateway.protocol import BadField, shown, text_field, typed
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
 MAX_MEDIA_BYTES = 32 << 20  # decoded, all media of one request (the coordinator allows 48 MiB)
-AUDIO_FORMATS = ("wav", "flac")  # OpenAI's mp3 needs a decoder this server does not carry
+AUDIO_FORMATS = ("wav", "flac", "mp3")  # the file's own bytes say which (the SDK reads them)
 
 
 @dataclass
@@ -106,7 +106,7 @@ def _audio(value: object, index: int) -> bytes:
     if value.get("format") not in AUDIO_FORMATS:
         raise BadField(
             "messages",
-            f"message {index}: input_audio.format must be wav or flac, not {shown(value.get('format'))}",
+            f"message {index}: input_audio.format must be wav, flac or mp3, not {shown(value.get('format'))}",
         )
     return _base64(value["data"], index, "input_audio.data")
 

@@ -80,7 +80,7 @@ class FieldError(OmniError):
 
 
 # Which HTTP field a coordinator's message is about, for the routes that send images: its
-# messages name GenerationParams' fields (omni_common.validation), the first match wins
+# messages name GenerationParams' fields (omni_common.models.validation), the first match wins
 # ("negative prompt" before "prompt").
 IMAGE_FIELDS: tuple[tuple[str, str], ...] = (
     ("unknown model", "model"),

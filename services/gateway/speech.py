@@ -5,14 +5,16 @@ body, SSE events or chat completion chunks.
 `POST /v1/audio/speech` (OpenAI's fields): `input` (required: the text the model answers,
 aloud; Qwen2.5-Omni speaks its reply to it, it is not a reader), `model`, `voice` (a speaker
 of the model, e.g. "Chelsie"; absent: the model's default), `response_format` ("wav", the
-default here, or "pcm": 16-bit mono little-endian at 24 kHz; mp3, flac, opus and aac need an
-encoder this server does not carry: 400), `speed` (1.0 only), `stream_format` ("audio": the
-body streams as it is spoken; "sse": `speech.audio.delta` events, then `speech.audio.done`).
+default here, "pcm": 16-bit mono little-endian at 24 kHz, "mp3" or "flac"; opus and aac need
+an encoder this server does not carry: 400; audio_files.py says how each streams),
+`speed` (1.0 only), `stream_format` ("audio": the body streams as it is spoken; "sse":
+`speech.audio.delta` events, then `speech.audio.done`; their audio is PCM16 for wav and pcm,
+the file's own bytes for mp3 and flac).
 
 `POST /v1/chat/completions`: `messages` (a conversation of system, user and assistant turns,
 the last the user's; user turns may hold `input_audio` and `image_url` data-URL parts:
-chat_messages.py), `modalities` (["text"] or ["text", "audio"]), `audio` ({voice, format}: "wav" or
-"pcm16"; streamed replies are pcm16, as OpenAI's), `stream`, `max_completion_tokens` (or
+chat_messages.py), `modalities` (["text"] or ["text", "audio"]), `audio` ({voice, format}: "wav",
+"pcm16", "mp3" or "flac"; streamed replies are pcm16, as OpenAI's), `stream`, `max_completion_tokens` (or
 `max_tokens`), `seed`; sampling fields (temperature, top_p, ...) are accepted and unused.
 
 Both take omnistage's `seed` (default 0, as the SDK's) and `options` (the family's options,
@@ -22,7 +24,6 @@ e.g. {"talker_max_new_tokens": 200}). A wrong field is 400 with it named in `par
 from __future__ import annotations
 
 import base64
-import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import grpc
 from omni_common.chat import chat_request
 from omni_common.errors import OmniError
 from omnistage.v1 import coordinator_pb2 as cpb
+from services.gateway.audio_files import whole_file
 from services.gateway.chat_messages import conversation
 from services.gateway.protocol import (
     MAX_SEED,
@@ -46,7 +48,9 @@ from services.gateway.protocol import (
     typed,
 )
 
-UNSERVED_FORMATS = ("mp3", "flac", "opus", "aac")
+SPEECH_FORMATS = ("wav", "pcm", "mp3", "flac")
+CHAT_FORMATS = {"wav": "wav", "pcm16": "pcm", "mp3": "mp3", "flac": "flac"}  # OpenAI's name: ours
+UNSERVED_FORMATS = ("opus", "aac")
 MAX_NEW_TOKENS = 8192
 
 # Which HTTP field a coordinator's refusal is about (see protocol.blame), per route.
@@ -77,7 +81,7 @@ class SpeechJob:
     """A validated POST /v1/audio/speech: the request and how its audio travels."""
 
     request: cpb.GenerateRequest
-    response_format: str  # "wav" or "pcm"
+    response_format: str  # one of SPEECH_FORMATS
     sse: bool
 
 
@@ -88,7 +92,7 @@ class ChatJob:
     request: cpb.GenerateRequest
     model: str
     speaks: bool
-    audio_format: str  # "wav" or "pcm16" (non-streamed replies' message.audio.data)
+    audio_format: str  # a key of CHAT_FORMATS (non-streamed replies' message.audio.data)
     stream: bool
 
 
@@ -132,10 +136,12 @@ def speech_job(doc: dict[str, Any]) -> SpeechJob:
         raise BadField(
             "response_format",
             f"response_format {response_format} needs an encoder this server does not carry; "
-            "ask for wav or pcm",
+            "ask for wav, pcm, mp3 or flac",
         )
-    if response_format not in ("wav", "pcm"):
-        raise BadField("response_format", f"response_format must be wav or pcm, not {response_format[:40]!r}")
+    if response_format not in SPEECH_FORMATS:
+        raise BadField(
+            "response_format", f"response_format must be wav, pcm, mp3 or flac, not {response_format[:40]!r}"
+        )
     speed = number(doc, "speed")
     if speed is not None and speed != 1.0:
         raise BadField("speed", "speed must be 1.0: this model speaks at its own pace")
@@ -168,8 +174,10 @@ def chat_job(doc: dict[str, Any]) -> ChatJob:
     if audio.get("voice") is not None and voice is None:
         raise BadField("audio.voice", f"audio.voice must be a string, not {shown(audio.get('voice'))}")
     audio_format = audio.get("format", "pcm16" if stream else "wav")
-    if audio_format not in ("wav", "pcm16"):
-        raise BadField("audio.format", f"audio.format must be wav or pcm16 here, not {shown(audio_format)}")
+    if audio_format not in CHAT_FORMATS:
+        raise BadField(
+            "audio.format", f"audio.format must be wav, pcm16, mp3 or flac, not {shown(audio_format)}"
+        )
     if stream and speaks and audio_format != "pcm16":
         raise BadField("audio.format", "a streamed reply's audio is pcm16 (as OpenAI's)")
     if (integer(doc, "n", 1, 1) or 1) != 1:
@@ -193,15 +201,6 @@ def chat_job(doc: dict[str, Any]) -> ChatJob:
     return ChatJob(request, model, speaks, audio_format, stream)
 
 
-def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
-    """A 16-bit mono WAV header; `data_bytes` None (a streamed body, its length unknown) writes
-    the largest sizes, which players read as "until the end of the stream"."""
-    size = 0xFFFFFFFF if data_bytes is None else data_bytes
-    riff = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
-    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    return b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", size)
-
-
 def completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -221,7 +220,7 @@ def chat_completion(job: ChatJob, text: str, pcm: bytes, sample_rate: int) -> di
     """The non-streamed reply: one message, its audio (if spoken) whole in `message.audio.data`."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if job.speaks:
-        data = wav_header(sample_rate, len(pcm)) + pcm if job.audio_format == "wav" else pcm
+        data = whole_file(pcm, sample_rate, CHAT_FORMATS[job.audio_format])
         message["audio"] = {
             "id": f"audio-{uuid.uuid4().hex}",
             "data": base64.b64encode(data).decode(),

@@ -27,7 +27,7 @@ from services.gateway.speech import CHAT_FIELDS, SPEECH_FIELDS, chat_job, refuse
 from services.gateway.speech_streams import Primed, chat_sse, chat_whole, prime, speech_body, speech_sse
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "flac": "audio/flac"}
 
 
 class SpeechRoutes:
@@ -76,7 +76,7 @@ class SpeechRoutes:
         if primed is None:
             return served.end(Response(status_code=499))
         if job.sse:
-            body = speech_sse(primed)
+            body = speech_sse(primed, job.response_format)
             return WatchedStream(
                 served.until_done(body), media_type="text/event-stream", headers=self._headers(primed)
             )

@@ -24,8 +24,9 @@ import grpc
 
 from omni_common.errors import OmniError
 from omnistage.v1 import coordinator_pb2 as cpb
+from services.gateway.audio_files import StreamedFile
 from services.gateway.protocol import SSE_DONE, error_body, sse
-from services.gateway.speech import ChatJob, chat_chunk, chat_completion, completion_id, refused, wav_header
+from services.gateway.speech import ChatJob, chat_chunk, chat_completion, completion_id, refused
 
 log = logging.getLogger("omnistage.gateway")
 
@@ -95,39 +96,60 @@ def sample_rate_of(primed: Primed) -> int:
 
 
 async def speech_body(primed: Primed, response_format: str) -> AsyncIterator[bytes]:
-    """The audio body: a streamed WAV's header (`wav`), then the PCM16 samples as they come."""
+    """The audio body in `response_format`, each chunk's bytes as soon as the format has them
+    (audio_files.py: wav, pcm and mp3 stream, flac comes whole at the end)."""
     try:
-        if response_format == "wav":
-            yield wav_header(sample_rate_of(primed))
-        async for event in primed.rest():
-            if event.HasField("audio"):
-                yield event.audio.data
+        with reply_file(primed, response_format) as out:
+            if head := out.start():
+                yield head
+            async for event in primed.rest():
+                if event.HasField("audio") and (data := out.feed(event.audio.data)):
+                    yield data
+            if tail := out.finish():
+                yield tail
     except OmniError as err:  # the status went out: the body ends short, and the log says why
         log.warning("speech reply failed after its first audio: %s", err.message)
     finally:
         await primed.close()
 
 
-async def speech_sse(primed: Primed) -> AsyncIterator[bytes]:
-    """OpenAI's speech events: `speech.audio.delta` (base64 PCM16) each chunk, then
-    `speech.audio.done`; a failure is an `error` event."""
+async def speech_sse(primed: Primed, response_format: str) -> AsyncIterator[bytes]:
+    """OpenAI's speech events: `speech.audio.delta` (base64) as audio comes, then
+    `speech.audio.done`; a failure is an `error` event. Deltas are PCM16 for wav and pcm, the
+    file's bytes for mp3 and flac (flac's in one delta at the end)."""
     samples = 0
+
+    def delta(data: bytes) -> bytes:
+        return sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
     try:
-        async for event in primed.rest():
-            if event.HasField("audio"):
-                samples += len(event.audio.data) // 2
-                audio = base64.b64encode(event.audio.data).decode()
-                yield sse({"type": "speech.audio.delta", "audio": audio})
-            elif event.HasField("result"):
-                result = event.result
-                done = {"type": "speech.audio.done", "samples": samples, "sample_rate": result.sample_rate}
-                yield sse({**done, "text": result.text, "first_audio_ms": primed.first_audio_ms})
+        with reply_file(primed, "pcm" if response_format == "wav" else response_format) as out:
+            async for event in primed.rest():
+                if event.HasField("audio"):
+                    samples += len(event.audio.data) // 2
+                    if data := out.feed(event.audio.data):
+                        yield delta(data)
+                elif event.HasField("result"):
+                    if data := out.finish():
+                        yield delta(data)
+                    result, first_ms = event.result, primed.first_audio_ms
+                    done = {
+                        "type": "speech.audio.done",
+                        "samples": samples,
+                        "sample_rate": result.sample_rate,
+                    }
+                    yield sse({**done, "text": result.text, "first_audio_ms": first_ms})
         yield SSE_DONE
     except OmniError as err:
         _, body, _ = error_body(err)
         yield sse({"type": "error", **body})
     finally:
         await primed.close()
+
+
+def reply_file(primed: Primed, response_format: str) -> StreamedFile:
+    """The reply's body in `response_format` (raw PCM needs no sample rate: none is asked)."""
+    return StreamedFile(response_format, 0 if response_format == "pcm" else sample_rate_of(primed))
 
 
 async def chat_sse(primed: Primed, job: ChatJob) -> AsyncIterator[bytes]:

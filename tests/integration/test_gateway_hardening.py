@@ -1,13 +1,15 @@
 """The gateway's HTTP edge against hostile clients, on real sockets: a request framed two ways
 (Content-Length and Transfer-Encoding) is refused and its connection closed, so the request
-smuggled behind it is never served; slow headers and slow bodies are cut off; connections past
-the cap get 503; an unexpected fault is OpenAI's 500 with a request id and no traceback."""
+smuggled behind it is never served; slow headers and slow bodies are cut off (a request whose
+headers came is not cut by the header timeout); connections past the cap get 503; an
+unexpected fault is OpenAI's 500 with a request id and no traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -92,6 +94,17 @@ def test_fifty_slow_header_connections_are_closed(edge: Edge) -> None:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_a_request_whose_headers_came_is_not_cut_by_the_header_timeout(edge: Edge) -> None:
+    with edge.connect() as sock:
+        sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+        time.sleep(1.5)  # past the header timeout (1 s): the body's own timeout (30 s) applies now
+        sock.sendall(b"{}")
+        answer = b""
+        while not answer.endswith(b"}}") and (chunk := sock.recv(65536)):  # the JSON error's end
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 ") and b'"param":"input"' in answer
 
 
 def test_a_slow_body_is_408(edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:

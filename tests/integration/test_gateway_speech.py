@@ -1,6 +1,7 @@
 """The gateway's speech, chat and edit routes with OpenAI's own Python client, over a real
 gRPC coordinator that replies from a script (scripted_coordinator.py): streamed speech decodes
-with the standard library's `wave` and equals the SDK's reply within PCM16 rounding; streamed
+with the standard library's `wave` and equals the SDK's reply within PCM16 rounding, FLAC
+exactly and MP3 within its codec's error (soundfile decodes them); streamed
 chat's text and audio deltas add up to the non-streamed reply, and audio comes before the last
 text; an edit returns the SDK's pixels; a client that leaves mid-speech closes the call; hostile
 bodies are 4xx with the field named and the gateway stays up.
@@ -23,6 +24,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 from PIL import Image
 
 from omni_common.client import Client
@@ -84,6 +86,51 @@ def test_streamed_speech_decodes_and_equals_the_sdks_reply(scripted) -> None:
     heard = pcm16(frames)
     assert len(heard) == len(expected.audio) > 0
     assert float(np.abs(heard - expected.audio).max()) <= 0.5 / 32767 + 1e-7
+
+
+def soundfile_pcm16(data: bytes) -> np.ndarray:
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24_000
+    return samples
+
+
+def snr_db(heard: np.ndarray, sent: np.ndarray) -> float:
+    n = min(len(heard), len(sent))
+    signal, error = sent[:n].astype(np.float64), heard[:n].astype(np.float64) - sent[:n]
+    return float(10 * np.log10((signal**2).sum() / max((error**2).sum(), 1e-9)))
+
+
+def test_flac_and_mp3_speech_decode_to_the_sdks_reply(scripted) -> None:  # type: ignore[no-untyped-def]
+    with Client(scripted.address) as sdk:
+        reply = sdk.speak(PROMPT, seed=6, speaker="Ethan", audio_format="pcm16")
+    sent = np.round(reply.audio * 32767).astype(np.int16)  # the wire's PCM16
+    bodies = {}
+    for response_format, media_type in (("flac", "audio/flac"), ("mp3", "audio/mpeg")):
+        with client_of(scripted).audio.speech.with_streaming_response.create(
+            model=MODEL, input=PROMPT, voice="Ethan", response_format=response_format, extra_body={"seed": 6}
+        ) as response:
+            assert response.headers["content-type"] == media_type
+            bodies[response_format] = b"".join(response.iter_bytes())
+    np.testing.assert_array_equal(soundfile_pcm16(bodies["flac"]), sent)  # lossless
+    heard = soundfile_pcm16(bodies["mp3"])  # streamed: the encoder's delay (< 2 frames) first
+    delay = max(range(0, 2 * 576), key=lambda lag: snr_db(heard[lag:], sent))
+    assert snr_db(heard[delay:], sent) > 20 and len(heard) - delay >= len(sent)
+
+
+def test_chat_replies_in_flac_and_mp3_are_whole_files_of_the_reply(scripted) -> None:  # type: ignore[no-untyped-def]
+    client = client_of(scripted)
+    pcm = client.chat.completions.create(**chat_args(modalities=["text", "audio"], audio=CHELSIE))
+    assert pcm.choices[0].message.audio is not None
+    sent = np.frombuffer(base64.b64decode(pcm.choices[0].message.audio.data), "<i2")
+    files = {}
+    for audio_format in ("flac", "mp3"):
+        reply = client.chat.completions.create(
+            **chat_args(modalities=["text", "audio"], audio={"voice": "Chelsie", "format": audio_format})
+        )
+        assert reply.choices[0].message.audio is not None
+        files[audio_format] = soundfile_pcm16(base64.b64decode(reply.choices[0].message.audio.data))
+    np.testing.assert_array_equal(files["flac"], sent)
+    assert len(files["mp3"]) == len(sent) and snr_db(files["mp3"], sent) > 20  # gapless: no delay
 
 
 def sse_payloads(response: httpx.Response) -> list[dict[str, Any]]:
@@ -240,7 +287,7 @@ def test_hostile_edits_are_400_with_the_field_named(scripted, case, param) -> No
         ("speech", {"input": PROMPT, "voice": "Nobody"}, "voice"),
         ("speech", {"input": ""}, "input"),
         ("speech", {"input": "   "}, "input"),
-        ("speech", {"input": PROMPT, "response_format": "mp3"}, "response_format"),
+        ("speech", {"input": PROMPT, "response_format": "opus"}, "response_format"),
         ("speech", {"input": PROMPT, "speed": 1.5}, "speed"),
         ("speech", {"input": "\ud800"}, "input"),
         ("speech", {"input": PROMPT, "model": "\udfff"}, "model"),

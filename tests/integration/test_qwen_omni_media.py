@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+import soundfile
 from PIL import Image
 
 from omni_common.audio_input import wav_bytes
@@ -247,6 +248,29 @@ def test_the_gateway_chat_takes_input_audio_and_image_url_data_urls(
     assert completion.choices[0].message.content == reply.text
 
 
+def test_an_mp3_input_audio_is_heard_as_the_sdk_hears_it(
+    omni: InProcessCluster, gateway: InProcessGateway
+) -> None:
+    samples, rate = soundfile.read(io.BytesIO(clip(seed=7)), dtype="int16")
+    encoded = io.BytesIO()
+    soundfile.write(encoded, samples, rate, format="MP3")
+    mp3 = encoded.getvalue()
+    content: list[Any] = [
+        {"type": "input_audio", "input_audio": {"data": b64(mp3), "format": "mp3"}},
+        {"type": "text", "text": PROMPT},
+    ]
+    completion = openai_client(gateway).chat.completions.create(
+        model=served_model(omni),
+        messages=[{"role": "user", "content": content}],
+        modalities=["text"],
+        seed=5,
+        extra_body={"options": CAPS},
+    )
+    with Client(omni.coordinator) as client:
+        reply = client.speak(PROMPT, audio=[mp3], seed=5, speak=False, options=CAPS)
+    assert completion.choices[0].message.content == reply.text
+
+
 @pytest.mark.parametrize(
     ("part", "message"),
     [
@@ -257,11 +281,11 @@ def test_the_gateway_chat_takes_input_audio_and_image_url_data_urls(
         ),
         ({"type": "input_audio", "input_audio": {"data": b64(b"not audio"), "format": "wav"}}, "not a WAV"),
         ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, "not valid base64"),
-        ({"type": "input_audio", "input_audio": {"data": b64(clip()), "format": "mp3"}}, "wav or flac"),
+        ({"type": "input_audio", "input_audio": {"data": b64(clip()), "format": "ogg"}}, "wav, flac or mp3"),
         ({"type": "input_audio", "input_audio": {"data": b64(clip(rate=8000)), "format": "wav"}}, "16000 Hz"),
         ({"type": "input_audio", "input_audio": {"data": b64(clip(seconds=0)), "format": "wav"}}, "0 s"),
     ],
-    ids=["http-url", "broken-image", "not-audio", "bad-base64", "mp3", "wrong-rate", "zero-seconds"],
+    ids=["http-url", "broken-image", "not-audio", "bad-base64", "ogg", "wrong-rate", "zero-seconds"],
 )
 def test_hostile_gateway_media_get_400_about_messages(
     omni: InProcessCluster, gateway: InProcessGateway, part: dict[str, Any], message: str

@@ -1,6 +1,8 @@
 """Input audio clips: WAV of every supported sample format decodes to the same float samples,
-raw PCM is wrapped as WAV of the same samples, and what is not audio, is empty or too long,
-or states a rate that disagrees with its file is INVALID_ARGUMENT with a message saying so."""
+raw PCM is wrapped as WAV of the same samples, FLAC decodes exactly and MP3 is wrapped as a WAV
+of what libsndfile decodes it to, and what is not audio, is empty or too long (FLAC and MP3
+before they are all decoded), or states a rate that disagrees with its file is
+INVALID_ARGUMENT with a message saying so."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from io import BytesIO
 
 import numpy as np
 import pytest
+import soundfile
 
 from omni_common.audio_input import (
     MAX_AUDIO_SECONDS,
@@ -19,6 +22,7 @@ from omni_common.audio_input import (
     wav_bytes,
 )
 from omni_common.errors import InvalidArgument
+from omni_common.media import audio_file_format
 from omnistage.v1 import coordinator_pb2 as cpb
 
 
@@ -112,3 +116,39 @@ def test_an_hour_of_audio_is_refused() -> None:
     hour = wav_bytes(np.zeros(3600 * 1000, np.int16), 1000)
     with pytest.raises(InvalidArgument, match=r"lasts 3600\.0 s"):
         decode_audio_file(hour)
+
+
+def encoded(samples: np.ndarray, rate: int, kind: str) -> bytes:
+    """`samples` (int16) as a FLAC or MP3 file, written by libsndfile."""
+    out = BytesIO()
+    soundfile.write(out, samples, rate, format=kind)
+    return out.getvalue()
+
+
+def test_flac_decodes_exactly_and_mp3_becomes_a_wav_of_its_decoded_samples() -> None:
+    ints = (np.sin(np.arange(16_000) * 0.03) * 20_000).astype("<i2")
+    flac = encoded(ints, 16_000, "FLAC")
+    assert audio_file_format(flac) == cpb.AUDIO_INPUT_FORMAT_FLAC
+    np.testing.assert_array_equal(decode_audio_file(flac)[0], ints.astype(np.float32) / 32768)
+    mp3 = encoded(ints, 16_000, "MP3")
+    assert audio_file_format(mp3) == cpb.AUDIO_INPUT_FORMAT_MP3
+    canonical = canonical_audio(cpb.InputAudio(data=mp3, format=cpb.AUDIO_INPUT_FORMAT_MP3), index=0)
+    samples, rate = decode_audio_file(canonical)  # what the stages read: a WAV
+    assert canonical[:4] == b"RIFF" and rate == 16_000
+    # (libsndfile's mpg123 output moves by an ulp after a seek, which soundfile.read makes)
+    np.testing.assert_allclose(samples, soundfile.read(BytesIO(mp3), dtype="float32")[0], rtol=0, atol=1e-6)
+    assert canonical == canonical_audio(cpb.InputAudio(data=mp3, format=cpb.AUDIO_INPUT_FORMAT_MP3), index=0)
+
+
+@pytest.mark.parametrize("kind", ["FLAC", "MP3"])
+def test_long_flac_and_mp3_are_refused(kind: str) -> None:
+    silence = encoded(np.zeros((MAX_AUDIO_SECONDS + 1) * 8000, np.int16), 8000, kind)
+    fmt = cpb.AUDIO_INPUT_FORMAT_FLAC if kind == "FLAC" else cpb.AUDIO_INPUT_FORMAT_MP3
+    with pytest.raises(InvalidArgument, match=f"lasts over {MAX_AUDIO_SECONDS} s"):
+        canonical_audio(cpb.InputAudio(data=silence, format=fmt), index=0)
+
+
+def test_a_wav_sent_as_mp3_is_refused() -> None:
+    wav = wav_bytes(np.zeros(8, np.int16), 8000)
+    with pytest.raises(InvalidArgument, match="not a MP3 file"):
+        canonical_audio(cpb.InputAudio(data=wav, format=cpb.AUDIO_INPUT_FORMAT_MP3), index=0)

@@ -1,7 +1,8 @@
 """The floors of the code base, bottom-up: the generated wire code (`omnistage`, only `v1`),
 `omni_common` (runtime, transport, models, client SDK), `services`, and at the top the
 `omnistage` command (`omnistage_cli`), which composes them. A lower floor never imports a
-higher one."""
+higher one; inside `omni_common`, the same holds for its ground, its layers and the modules
+above them."""
 
 from __future__ import annotations
 
@@ -49,8 +50,25 @@ def test_the_check_sees_a_lazy_upward_import(tmp_path: Path) -> None:
 
 
 # Inside omni_common, bottom-up: a layer imports only the layers listed before it (and the
-# ground: errors, limits, audio, protogen and the generated wire code).
+# ground: the modules of GROUND and the generated wire code).
 LAYERS = ("net", "transport", "execution", "models", "runtime")
+# The top-level modules of omni_common, by floor. The ground imports no layer and nothing of
+# omni_common but the ground: every layer may import it (the families decode their input media
+# with imaging and audio_input). Those above the layers serve a caller or a cluster of processes.
+GROUND = (
+    "audio",
+    "audio_input",
+    "checked_files",
+    "compose",
+    "errors",
+    "imaging",
+    "input_media",
+    "limits",
+    "media",
+    "protogen",
+    "stages",
+)
+ABOVE_THE_LAYERS = ("certs", "chat", "client", "cluster", "health")
 
 
 def _layer_of(module: str) -> str | None:
@@ -69,6 +87,43 @@ def test_each_layer_of_omni_common_imports_only_the_layers_beneath_it() -> None:
                 target = _layer_of(module)
                 if target is not None and target not in allowed:
                     upward.add(f"{path.relative_to(REPO)}: {module}")
+    assert not upward, sorted(upward)
+
+
+def _top_level(module: str) -> str | None:
+    """The top-level module of omni_common that `module` names (`omni_common.errors` ->
+    "errors"), or None for a layer, a package's face or anything outside omni_common."""
+    parts = module.split(".")
+    if parts[0] != "omni_common" or len(parts) < 2 or parts[1] in LAYERS:
+        return None
+    return parts[1]
+
+
+def test_each_top_level_module_of_omni_common_has_its_floor() -> None:
+    modules = {path.stem for path in (REPO / "omni_common").glob("*.py") if path.stem != "__init__"}
+    assert modules == set(GROUND) | set(ABOVE_THE_LAYERS)
+
+
+def test_the_ground_of_omni_common_imports_only_the_ground() -> None:
+    upward = {
+        f"omni_common/{name}.py: {module}"
+        for name in GROUND
+        for module in imported_modules(REPO / "omni_common" / f"{name}.py")
+        if module.startswith("omni_common.") and _top_level(module) not in GROUND
+    }
+    assert not upward, sorted(upward)
+
+
+def test_the_layers_import_of_the_top_level_only_the_ground() -> None:
+    """What a layer needs of a top-level module sits on the ground, or in the layer itself
+    (the request's checks are models/validation.py: the families are their lowest users)."""
+    upward = {
+        f"{path.relative_to(REPO)}: {module}"
+        for layer in LAYERS
+        for path in sorted((REPO / "omni_common" / layer).rglob("*.py"))
+        for module in imported_modules(path)
+        if _top_level(module) is not None and _top_level(module) not in GROUND
+    }
     assert not upward, sorted(upward)
 
 

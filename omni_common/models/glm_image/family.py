@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument
+from omni_common.input_media import input_image_name
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
@@ -25,10 +26,9 @@ from omni_common.models.base import (
     RoleSpec,
     StageContext,
     StageModel,
-    input_image_name,
 )
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
-from omni_common.validation import check_multiple, check_options
+from omni_common.models.validation import check_multiple, check_options
 
 # The AR model works on a 32-pixel token grid (upsampled 2x for the DiT's 16-pixel patches), so
 # output sizes, and condition images (whose tokens must fill the DiT's grid), are multiples of 32.

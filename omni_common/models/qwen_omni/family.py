@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument
+from omni_common.input_media import input_audio_name, input_image_name
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
@@ -28,12 +29,10 @@ from omni_common.models.base import (
     RoleSpec,
     StageContext,
     StageModel,
-    input_audio_name,
-    input_image_name,
 )
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwen_omni.options import OPTIONS, option_int
-from omni_common.validation import check_options
+from omni_common.models.validation import check_options
 
 # What the thinker hears: Whisper's feature extractor at 16 kHz (nothing is resampled), at most
 # its window (the real processor's chunk_length, 300 s; a checkpoint's own may be shorter, which

@@ -31,7 +31,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from omni_common.audio_input import audio_file_bytes, decode_audio_file
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image
-from omni_common.models.base import ChatTurn, GenerationRequest, input_audio_name, input_image_name
+from omni_common.input_media import input_audio_name, input_image_name
+from omni_common.models.base import ChatTurn, GenerationRequest
 from omni_common.models.prefix_cache import prefix_key
 
 # The tokenizer's named media tokens (tokenizer_config.json's extra_special_tokens), which the

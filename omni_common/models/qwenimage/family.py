@@ -19,7 +19,7 @@ from omni_common.models.base import (
 )
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwenimage.prompt_template import TOKENIZER_MAX_LENGTH
-from omni_common.validation import check_multiple, check_options
+from omni_common.models.validation import check_multiple, check_options
 
 # Qwen-Image's VAE compresses 8x and the DiT packs 2x2 patches (the tiny fixture's VAE
 # compresses 4x, so 16 serves it too).
@@ -98,7 +98,7 @@ class QwenImageFamily:
     parallel: SequenceParallelPlan | None = PARALLEL
 
     def validate(self, request: GenerationRequest) -> None:
-        """What this family adds to omni_common.validation's ranges: the patch grid, no images."""
+        """What this family adds to omni_common.models.validation's ranges: the patch grid, no images."""
         if request.images:
             raise InvalidArgument(f"{self.name} models take no input images (text to image only)")
         check_options(dict(request.options), self.card.options, self.name)

@@ -13,14 +13,13 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
-    ModuleDeclaration,
     Plan,
     PlanStep,
     RoleSpec,
-    SequenceParallelPlan,
     StageContext,
     StageModel,
 )
+from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from tests.families.chime.options import OPTIONS
 
 ROLES = (

@@ -110,9 +110,6 @@ class ChimeDenoiser:
     def release(self, state: StepState) -> None:
         pass
 
-    def forget_cuda_graphs(self) -> None:
-        pass
-
 
 class ChimeVocoder:
     """vocoder (BatchRunner): the whole waveform as one "audio" tensor, with its sample rate."""

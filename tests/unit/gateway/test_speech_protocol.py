@@ -12,6 +12,7 @@ import pytest
 
 from omni_common.errors import InvalidArgument, NotFound, OmniError
 from omnistage.v1 import coordinator_pb2 as cpb
+from services.gateway.audio_files import wav_header
 from services.gateway.forms import form_document, parse_form
 from services.gateway.protocol import (
     IMAGE_FIELDS,
@@ -22,7 +23,7 @@ from services.gateway.protocol import (
     parse_json,
     parse_size,
 )
-from services.gateway.speech import CHAT_FIELDS, SPEECH_FIELDS, chat_job, refused, speech_job, wav_header
+from services.gateway.speech import CHAT_FIELDS, SPEECH_FIELDS, chat_job, refused, speech_job
 
 
 @pytest.mark.parametrize("size", ["²x²", "１６x１６", "16x٣"])

@@ -15,7 +15,7 @@ from omni_common.models.model_defaults import (
 )
 from omni_common.models.qwen_omni.family import QwenOmniFamily
 from omni_common.models.qwenimage.family import QwenImageFamily
-from omni_common.validation import defaults_for, option_defaults_for, with_defaults
+from omni_common.models.validation import defaults_for, option_defaults_for, with_defaults
 from omnistage.v1 import stage_pb2
 
 REPO = Path(__file__).resolve().parents[3]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_common.models.base import GenerationRequest, ImageInput, Plan, PlanStep
+from omni_common.input_media import ImageInput
+from omni_common.models.base import GenerationRequest, Plan, PlanStep
 from omni_common.models.glm_image import GlmImageFamily
 from omni_common.models.qwenimage import QwenImageFamily
 

@@ -17,7 +17,8 @@ from diffusers.pipelines.glm_image.pipeline_glm_image import GlmImagePipeline
 from PIL import Image
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
-from omni_common.models.base import GenerationRequest, ImageInput, StageState, input_image_name
+from omni_common.input_media import ImageInput, input_image_name
+from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
 from omni_common.models.glm_image.reference import load_pipeline, reference_prior
 

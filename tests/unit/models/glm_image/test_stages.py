@@ -19,14 +19,8 @@ from diffusers.pipelines.glm_image.pipeline_glm_image import GlmImagePipeline
 from PIL import Image
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import (
-    DenoiserOptions,
-    GenerationRequest,
-    ImageInput,
-    RoleCall,
-    StageState,
-    input_image_name,
-)
+from omni_common.input_media import ImageInput, input_image_name
+from omni_common.models.base import DenoiserOptions, GenerationRequest, RoleCall, StageState
 from omni_common.models.glm_image.denoise import GlmImageDenoiser, GlmImageDenoiseState
 from omni_common.models.glm_image.glyph import GlmImageGlyphEncoder, glyph_texts
 from omni_common.models.glm_image.reference import (

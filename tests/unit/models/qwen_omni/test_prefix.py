@@ -13,7 +13,8 @@ import torch
 
 from omni_common.audio_input import inspect_audio, wav_bytes
 from omni_common.errors import InvalidArgument
-from omni_common.models.base import ChatTurn, GenerationRequest, StageState, input_audio_name
+from omni_common.input_media import input_audio_name
+from omni_common.models.base import ChatTurn, GenerationRequest, StageState
 from omni_common.models.qwen_omni.thinker import Thinker
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
-from omni_common.validation import check_request_id, check_takes_loras, to_request, with_defaults
+from omni_common.models.validation import check_request_id, check_takes_loras, to_request, with_defaults
 from omnistage.v1 import stage_pb2
 
 

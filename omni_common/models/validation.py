@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from omni_common.errors import InvalidArgument, ResourceExhausted
+from omni_common.input_media import ImageInput
 from omni_common.limits import (  # noqa: F401  (re-exported: callers import them from here)
     MAX_CFG,
     MAX_LORA_SCALE,
@@ -22,7 +23,7 @@ from omni_common.limits import (  # noqa: F401  (re-exported: callers import the
     MAX_SIDE,
     MAX_STEPS,
 )
-from omni_common.models.base import ChatTurn, GenerationRequest, ImageInput, ModelCard, OptionSpec
+from omni_common.models.base import ChatTurn, GenerationRequest, ModelCard, OptionSpec
 from omni_common.models.lora_files import NAME_PATTERN as LORA_NAME
 from omni_common.models.lora_files import check_scale
 from omnistage.v1 import stage_pb2
