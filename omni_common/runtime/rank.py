@@ -3,18 +3,22 @@ one per device): it loads the family's stage model on its device, joins the repl
 torch.distributed group (NCCL on GPUs, gloo on the CPU), applies the family's
 SequenceParallelPlan and serves the server process's commands from its ShmQueue.
 
-Every rank holds every request's state (latents, scheduler) and steps it identically: a
-forward's prediction is gathered on every rank, so the ranks never diverge, and rank 0 alone
-answers what reads a state (checkpoints, previews, the finished latents).
+A request's state (latents, scheduler) lives where the server placed it (parallel_mode.py):
+on every rank, for the collective modes (sequence and CFG parallel), where each rank steps it
+identically (a forward's prediction is gathered on every rank, so the ranks never diverge) and
+rank 0 answers what reads it (checkpoints, previews, the finished latents); or on one rank
+(one-device and data-parallel), which steps it alone, as a one-device replica does, and answers
+for it. A Step names its states and whether it is collective; each rank steps those it holds.
 
 The commands, typed: each is a frozen dataclass of plain values; its tensors travel beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -63,9 +67,12 @@ class Restore:
 
 @dataclass(frozen=True)
 class Step:
-    """One step of these states, in one forward (they share a batch key)."""
+    """One step of these states (they share a batch key): collective, every rank holds them all
+    and they run in one forward spread over the ranks; otherwise each rank steps those it holds,
+    in one forward of its own, with no collective."""
 
     sids: tuple[int, ...]
+    collective: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ class Read:
 
 @dataclass(frozen=True)
 class Finish:
-    """A finished state's output (rank 0 answers with it); every rank drops the state."""
+    """A finished state's output (each rank that held it answers with it, and drops it)."""
 
     sid: int
 
@@ -117,8 +124,10 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Stepped:
-    """After a step: each state's step index and whether its latents are finite."""
+    """After a step: the states this rank stepped, each one's step index and whether its latents
+    are finite."""
 
+    sids: tuple[int, ...]
     steps: tuple[int, ...]
     finite: tuple[bool, ...]
 
@@ -191,15 +200,13 @@ def _load(
     model = family.load(config.stage, Path(config.model_dir), context)
     runner = model.runners[role]
     sp = SequenceParallel(model, plan, world)
-    if hasattr(runner, "cfg_branches"):
-        runner.cfg_branches = sp.branches
     # torch.compile of the DiT's blocks (auto: on GPUs), the collectives traced inside them
     # (checked on the CPU with gloo: the latents of eager). Configured once the hooks are in,
     # inside the whole group, so its warm-up compiles the shapes a sequence parallel forward
     # takes. No CUDA graphs: not measured with collectives inside.
     compile_blocks = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
     if compile_blocks and hasattr(runner, "configure"):
-        with sp.use(sp.full):
+        with _collective(runner, sp):
             runner.configure(replace(options, compile=True))
     weight_bytes = sum(p.numel() * p.element_size() for p in sp.dit.parameters())
     return runner, sp, weight_bytes  # type: ignore[return-value]
@@ -219,7 +226,7 @@ def _serve(
         if isinstance(command, Stop):
             return
         try:
-            value, out = _run(command, tensors, runner, sp, states, rank)
+            value, out = _run(command, tensors, runner, sp, states)
             reply = Reply(rank, value)
         except OmniError as err:
             reply, out = Reply(rank, code=err.code.name, error=err.message), {}
@@ -235,7 +242,6 @@ def _run(
     runner: StepRunner,
     sp: SequenceParallel,
     states: dict[int, StepState],
-    rank: int,
 ) -> tuple[object, dict[str, torch.Tensor]]:
     """One command on this rank: (the reply's value, its tensors)."""
     if isinstance(command, Prepare):
@@ -246,10 +252,15 @@ def _run(
         runner.restore(states[command.sid], StageState(tensors, dict(command.meta)))
         return states[command.sid].step_index, {}
     if isinstance(command, Step):
-        batch = [states[sid] for sid in command.sids]
-        with sp.use(sp.full):
-            runner.step(batch)
+        sids = tuple(sid for sid in command.sids if sid in states)
+        batch = [states[sid] for sid in sids]
+        if command.collective:
+            with _collective(runner, sp):
+                runner.step(batch)
+        elif batch:
+            runner.step(batch)  # this rank's own states: the one-device path
         return Stepped(
+            sids,
             tuple(state.step_index for state in batch),
             tuple(bool(runner.is_finite(state)) for state in batch),
         ), {}
@@ -262,9 +273,24 @@ def _run(
         return (None, {}) if checkpoint is None else (checkpoint.meta, checkpoint.tensors)
     if isinstance(command, Finish):
         output = runner.finish(states.pop(command.sid))
-        return (output.meta, output.tensors) if rank == 0 else (None, {})
+        return output.meta, output.tensors
     if isinstance(command, Release):
         if command.sid in states:
             runner.release(states.pop(command.sid))
         return None, {}
     raise ValueError(f"unknown command {type(command).__name__}")
+
+
+@contextlib.contextmanager
+def _collective(runner: object, sp: SequenceParallel) -> Iterator[None]:
+    """Forwards inside spread over every rank: sequence parallel, and the CFG branches on the
+    two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches)."""
+    branches = hasattr(runner, "cfg_branches")
+    if branches:
+        runner.cfg_branches = sp.branches  # type: ignore[attr-defined]
+    try:
+        with sp.use(sp.full):
+            yield
+    finally:
+        if branches:
+            runner.cfg_branches = None  # type: ignore[attr-defined]
