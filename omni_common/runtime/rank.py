@@ -35,10 +35,12 @@ from omni_common.models.base import (
     StepRunner,
     StepState,
 )
+from omni_common.models.capabilities import ConfiguresExecution, SplitsCfgBranches
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.sequence_parallel import SequenceParallel
 from omni_common.runtime.shm_queue import ShmQueue
+from omni_common.runtime.worker import DTYPES
 
 log = logging.getLogger("omnistage.rank")
 
@@ -103,7 +105,7 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Reply:
+class RankReply:
     """A rank's answer to one command: `value` (plain values; tensors beside it), or the
     status code name and message of the error it raised."""
 
@@ -159,7 +161,7 @@ def rank_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"
     )
-    outbox.put(Reply(rank, Mapped()))  # both queues are mapped here: the server may unlink them
+    outbox.put(RankReply(rank, Mapped()))  # both queues are mapped here: the server may unlink them
     device = torch.device(devices[rank])
     threads = config.threads or max(1, (os.cpu_count() or 1) // len(devices))
     torch.set_num_threads(threads)
@@ -174,7 +176,7 @@ def rank_main(
     )
     try:
         runner, sp, weight_bytes = _load(config, role, device, len(devices))
-        outbox.put(Reply(rank, Ready(str(device), weight_bytes)))
+        outbox.put(RankReply(rank, Ready(str(device), weight_bytes)))
         _serve(rank, runner, sp, inbox, outbox, parent)
     finally:
         dist.destroy_process_group()
@@ -195,8 +197,7 @@ def _load(
         devices=world,
         quantization=config.quantization,
     )
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    context = StageContext(device=device, dtype=dtypes[config.dtype], roles=(role,), denoiser=options)
+    context = StageContext(device=device, dtype=DTYPES[config.dtype], roles=(role,), denoiser=options)
     model = family.load(config.stage, Path(config.model_dir), context)
     runner = model.runners[role]
     sp = SequenceParallel(model, plan, world)
@@ -205,7 +206,7 @@ def _load(
     # inside the whole group, so its warm-up compiles the shapes a sequence parallel forward
     # takes. No CUDA graphs: not measured with collectives inside.
     compile_blocks = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
-    if compile_blocks and hasattr(runner, "configure"):
+    if compile_blocks and isinstance(runner, ConfiguresExecution):
         with _collective(runner, sp):
             runner.configure(replace(options, compile=True))
     weight_bytes = sum(p.numel() * p.element_size() for p in sp.dit.parameters())
@@ -227,12 +228,12 @@ def _serve(
             return
         try:
             value, out = _run(command, tensors, runner, sp, states)
-            reply = Reply(rank, value)
+            reply = RankReply(rank, value)
         except OmniError as err:
-            reply, out = Reply(rank, code=err.code.name, error=err.message), {}
+            reply, out = RankReply(rank, code=err.code.name, error=err.message), {}
         except Exception as err:  # a fault here: the server fails the request, the rank goes on
             log.exception("rank %d: %s failed", rank, type(command).__name__)
-            reply, out = Reply(rank, code="INTERNAL", error=type(err).__name__), {}
+            reply, out = RankReply(rank, code="INTERNAL", error=type(err).__name__), {}
         outbox.put(reply, out, alive=lambda: os.getppid() == parent)
 
 
@@ -285,12 +286,13 @@ def _run(
 def _collective(runner: object, sp: SequenceParallel) -> Iterator[None]:
     """Forwards inside spread over every rank: sequence parallel, and the CFG branches on the
     two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches)."""
-    branches = hasattr(runner, "cfg_branches")
-    if branches:
-        runner.cfg_branches = sp.branches  # type: ignore[attr-defined]
+    if not isinstance(runner, SplitsCfgBranches):
+        with sp.use(sp.full):
+            yield
+        return
+    runner.cfg_branches = sp.branches
     try:
         with sp.use(sp.full):
             yield
     finally:
-        if branches:
-            runner.cfg_branches = None  # type: ignore[attr-defined]
+        runner.cfg_branches = None

@@ -61,7 +61,7 @@ START_TIMEOUT_S = 1800.0  # loading a full-size model on each device
 class Answer:
     """One rank's reply to a command and the tensors that came with it."""
 
-    reply: commands.Reply
+    reply: commands.RankReply
     tensors: dict[str, torch.Tensor]
 
 
@@ -165,7 +165,7 @@ class WorkerGroup:
                 message = self.outboxes[rank].get(POLL_S)
                 if message is not None:
                     reply, tensors = message
-                    assert isinstance(reply, commands.Reply)
+                    assert isinstance(reply, commands.RankReply)
                     answers.append(Answer(reply, tensors))
                     break
                 if not self._alive():
@@ -200,7 +200,7 @@ class WorkerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _error(reply: commands.Reply) -> OmniError:
+def _error(reply: commands.RankReply) -> OmniError:
     """The error a rank answered with, as the same OmniError class (InvalidArgument, ...)."""
     code = getattr(grpc.StatusCode, reply.code, grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
