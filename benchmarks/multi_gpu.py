@@ -11,6 +11,12 @@ CFG, guidance 4). Every process builds the same seeded weights on its device, so
 compare: PSNR of each N-GPU image against the 1-GPU one. One JSON line per measurement, then
 the ratios against issue 18's targets (2 GPUs / 1 GPU <= 0.55 at 1024x1024, CFG too).
 
+The competitor at its best: diffusers on one GPU, its transformer compiled each way of
+`--diffusers-modes` (diffusers_best.py: regional compile, and the whole transformer as CUDA
+graphs), the faster per size and CFG setting; each replica's p50 over it is printed too.
+A replica over several GPUs picks its mode per request (--parallel-mode auto, logged in its
+log; runtime/parallel_mode.py).
+
 The one-GPU replica runs at its best setting (torch.compile and CUDA graphs, `auto`); a
 replica over several GPUs compiles its blocks but captures no CUDA graphs (not measured with
 collectives inside yet), so `--one-gpu-eager` adds a 1-GPU row without either.
@@ -30,6 +36,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import diffusers_best
 import numpy as np
 import torch
 
@@ -107,6 +114,39 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
     return out
 
 
+def measure_diffusers(args: argparse.Namespace) -> dict[tuple[int, bool], dict[str, float]]:
+    """{(size, cfg): {mode: p50 ms}} of diffusers in this process on the first device, its
+    transformer compiled each way of --diffusers-modes (diffusers_best.py)."""
+    device = torch.device("cpu" if args.cpu else "cuda:0")
+    dtype = getattr(torch, args.dtype)
+    out: dict[tuple[int, bool], dict[str, float]] = {}
+    for mode in args.diffusers_modes:
+        started = time.perf_counter()
+        pipe = diffusers_best.load(args.model, device, dtype, mode, backend=args.diffusers_backend)
+        for size in args.sizes:
+            for cfg in (False, True):
+                guidance = {"negative_prompt": NEGATIVE, "true_cfg_scale": 4.0} if cfg else {}
+                params = {"width": size, "height": size, "num_inference_steps": args.steps, **guidance}
+                walls = []
+                for run in range(-1, args.runs):  # -1: the warm-up, which compiles
+                    generator = torch.Generator("cpu").manual_seed(max(run, 0))
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    pipe(PROMPT, generator=generator, output_type="pt", **params)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    walls.append((time.perf_counter() - t0) * 1e3)
+                ms = p50(walls[1:])
+                out.setdefault((size, cfg), {})[mode] = ms
+                emit(
+                    {"diffusers": mode, "size": size, "cfg": cfg, "p50_ms": ms, "warm_up_ms": round(walls[0])}
+                )
+        emit({"diffusers": mode, "total_s": round(time.perf_counter() - started, 1)})
+        diffusers_best.drop(pipe)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", type=Path, required=True)
@@ -121,6 +161,7 @@ def main() -> None:
         "--one-gpu-eager", type=int, default=1, help="1: also the 1-GPU DiT without compile/graphs"
     )
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    diffusers_best.add_args(parser)
     parser.add_argument(
         "--cpu", action="store_true", help="gloo workers on the CPU: to try the script on a tiny model"
     )
@@ -136,6 +177,7 @@ def main() -> None:
             runs[f"{gpus}"] = measure(args, gpus, False, logs / f"gpus-{gpus}")
         if args.one_gpu_eager:
             runs["1-eager"] = measure(args, 1, True, logs / "gpus-1-eager")
+    competitor = measure_diffusers(args) if args.diffusers_modes else {}
     base = runs[str(args.gpus[0])]
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     summary: dict[str, object] = {"device": device, "steps": args.steps}
@@ -149,7 +191,19 @@ def main() -> None:
                 summary[f"psnr_db_{gpus}gpu_{size}{'_cfg' if cfg else ''}"] = psnr(
                     image, base[(size, cfg)][1]
                 )
-    summary["targets"] = {"2gpu_over_1gpu_1024": "<= 0.55", "2gpu_over_1gpu_1024_cfg": "<= 0.55"}
+    for (size, cfg), modes in competitor.items():
+        mode, ms = diffusers_best.best(modes)
+        suffix = f"{size}{'_cfg' if cfg else ''}"
+        summary[f"diffusers_best_{suffix}"] = {"mode": mode, "p50_ms": ms, "by_mode": modes}
+        for gpus in args.gpus:
+            summary[f"{gpus}gpu_over_diffusers_{suffix}"] = round(runs[str(gpus)][(size, cfg)][0] / ms, 3)
+    summary["targets"] = {
+        "2gpu_over_1gpu_1024": "<= 0.60",
+        "2gpu_over_1gpu_1024_cfg": "<= 0.53",
+        "2gpu_over_1gpu_512": "<= 1.0",
+        "1gpu_over_diffusers_1024": "<= 0.90",
+        "1gpu_over_diffusers_512": "<= 0.6",
+    }
     emit(summary)
 
 

@@ -2,15 +2,13 @@
 
     python benchmarks/profile_stop.py [--ops 20000 100000]
 
-For each size, a StageProfiler records that many small operators on a compute thread, then
-StopProfile runs as the replica runs it: the compute thread (the replica's ComputeThread) forks
-a child that processes the recording and writes the trace, and is renewed; the writer thread
-waits for the child (`--in-process`: the recording is processed in this process, as on a
-GPU). Meanwhile a third thread (standing in for the event loop: health, heartbeats, other
-calls) wakes every 10 ms; its longest wait shows how long the replica's threads were held up
-(by torch holding the GIL, or by a busy machine). Printed, one JSON line per size: seconds to
-stop, seconds to write, the trace's size, the longest stall each phase caused, and the
-resident memory the recording took (the quantity --profile-max-mb bounds).
+For each size, a StageProfiler records that many small operators on a "compute" thread, then
+StopProfile runs as the replica runs it: the recording ends on the compute thread, the trace
+is written on the writer thread. Meanwhile a third thread (standing in for the event loop:
+health, heartbeats, other calls) wakes every 10 ms; its longest wait shows how long torch
+held the GIL. Printed, one JSON line per size: seconds to stop, seconds to write, the
+trace's size, the longest stall each phase caused, and the resident memory the recording
+took (the quantity --profile-max-mb bounds).
 """
 
 from __future__ import annotations
@@ -20,11 +18,11 @@ import json
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from omni_common.runtime.compute_thread import ComputeThread
 from omni_common.runtime.profiler import StageProfiler, resident_bytes
 
 
@@ -49,10 +47,9 @@ class Stalls:
         return self.worst
 
 
-def measure(ops: int, root: Path, in_process: bool) -> dict[str, object]:
-    compute = ComputeThread("compute")
-    renew = None if in_process else compute.renew
-    profiler = StageProfiler("bench", torch.device("cpu"), str(root), renew_thread=renew)
+def measure(ops: int, root: Path) -> dict[str, object]:
+    compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+    profiler = StageProfiler("bench", torch.device("cpu"), str(root))
     y = torch.ones(4)
     compute.submit(profiler.start, f"ops-{ops}").result()
     before = resident_bytes()
@@ -72,7 +69,6 @@ def measure(ops: int, root: Path, in_process: bool) -> dict[str, object]:
     compute.shutdown()
     return {
         "ops": ops,
-        "processed": "in process" if in_process else "forked child",
         "recorded_mb": round(grown / 2**20, 1),
         "stop_s": round(stop_s, 2),
         "stop_worst_stall_s": round(stop_stall, 2),
@@ -85,12 +81,11 @@ def measure(ops: int, root: Path, in_process: bool) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=int, nargs="+", default=[20_000, 100_000])
-    parser.add_argument("--in-process", action="store_true", help="process the recording here (GPU path)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root:
         for ops in args.ops:
-            print(json.dumps(measure(ops, Path(root) / "profiles", args.in_process)), flush=True)
+            print(json.dumps(measure(ops, Path(root) / "profiles")), flush=True)
 
 
 if __name__ == "__main__":

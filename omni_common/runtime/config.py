@@ -246,6 +246,25 @@ class StageConfig(ServiceConfig):
     profile_max_mb: int = setting(
         1024, "a profile stops itself once the replica's resident memory grew this many MiB"
     )
+    # dit-denoise over several devices: where each request runs (runtime/parallel_mode.py).
+    parallel_mode: str = setting(
+        "auto",
+        "dit-denoise over several devices: auto picks per request (a lone large request split over "
+        "the devices, CFG parallel or sequence parallel; otherwise each request on one device, "
+        "several at once); sequence-parallel splits every request; data-parallel never does",
+        choices=("auto", "sequence-parallel", "data-parallel"),
+    )
+    cfg_parallel_tokens: int = setting(
+        8192,
+        "dit-denoise, --parallel-mode auto: a lone request with true CFG runs its two branches on "
+        "the two halves of the devices from this many image tokens a step (CFG counted twice; "
+        "Qwen-Image: 8192 = 1024x1024 with CFG)",
+    )
+    sequence_parallel_tokens: int = setting(
+        16384,
+        "dit-denoise, --parallel-mode auto: a lone request is split over the devices (Ulysses) from "
+        "this many image tokens a step (Qwen-Image: 16384 = 2048x2048)",
+    )
 
 
 def add_stage_args(parser: argparse.ArgumentParser, stage: str) -> None:

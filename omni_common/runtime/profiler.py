@@ -11,18 +11,12 @@ What keeps a profile from hurting serving (issue 38):
 - a session stops itself after `max_seconds` or once the process has grown `max_bytes` of
   resident memory since it started (a client that never sends StopProfile, a Ctrl-C, a
   crash): the compute thread checks after each of its tasks (`enforce_limits`);
-- the recording is processed and written in a child process, never in the replica: torch
-  holds the GIL while it processes a recording's events (`_disable_profiler`, its C++
-  post-processing) and while it writes the JSON, for a time proportional to the events
-  (benchmarks/profile_stop.py: ~5-13 s and ~4 s per 100k operator events on 2 shared CPU
-  cores), and every thread of the process would wait. So stopping forks the compute thread:
-  the child processes the recording, writes the trace and exits; the parent leaves the
-  recording unprocessed and ends the compute thread (compute_thread.py: a fresh one takes its
-  queue), whose thread-local state, where torch keeps the recording, goes with it. The
-  replica's threads then wait only for the fork (page tables: ~ms per GiB of memory). With
-  CUDA the child cannot flush the GPU's activity buffers (CUDA is unusable in a forked
-  child), so on a GPU, and where no renewable compute thread is given, the recording is
-  processed in the replica as before: there the memory bound is also the bound on that stall;
+- the trace (hundreds of MB for a few hundred requests) is written by a writer thread, never
+  the compute thread: stopping only ends the recording there. What no thread choice avoids:
+  torch holds the GIL while it stops (its C++ post-processing of the events) and while it
+  writes the JSON, every thread of the process waits, for a time proportional to the events
+  recorded (benchmarks/profile_stop.py: ~5-13 s and ~4 s per 100k operator events on 2
+  shared CPU cores). The memory bound is therefore also the bound on that stall;
 - the profile directory is owner-only (0700, owned by this user: a shared /tmp directory
   made by someone else is refused), subdirectories and trace files are created fresh
   (mode 0700 / 0600) and a symlink planted anywhere on the way is refused, never followed.
@@ -36,14 +30,13 @@ import re
 import stat
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from omni_common.errors import FailedPrecondition, InvalidArgument, OmniError
+from omni_common.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger("omnistage.profiler")
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
@@ -101,13 +94,9 @@ class StageProfiler:
         *,
         max_seconds: float = MAX_SECONDS,
         max_bytes: int = MAX_BYTES,
-        renew_thread: Callable[[], None] | None = None,
     ) -> None:
         self.stage = stage
         self.device = device
-        # ComputeThread.renew of the compute thread: with it (and no CUDA), stopping hands the
-        # recording to a forked child and drops it here with the thread (see the docstring).
-        self.renew_thread = renew_thread
         self.root = Path(root) if root else default_root()
         self.max_seconds = max_seconds
         self.max_bytes = max_bytes
@@ -180,13 +169,9 @@ class StageProfiler:
     def _finish(self) -> tuple[Future[Path], float]:
         assert self._profile is not None and self._directory is not None
         prof, self._profile = self._profile, None
-        trace = self._directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(prof):x}.json"
-        if self.renew_thread is not None and self.device.type != "cuda":
-            pid = _fork_writer(trace)  # the child processes and writes the recording
-            self.renew_thread()  # and this thread, holding the recording, ends after this task
-            return self._writer.submit(_reap, pid, trace), time.monotonic() - self._started
         prof.stop()
         seconds = time.monotonic() - self._started
+        trace = self._directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(prof):x}.json"
         return self._writer.submit(_write, prof, trace), seconds
 
     def close(self) -> None:
@@ -196,40 +181,6 @@ class StageProfiler:
         self._writer.shutdown(wait=True)
 
 
-def _fork_writer(trace: Path) -> int:
-    """A child process that processes this thread's recording and writes it to `trace`, then
-    exits (1 on any failure; it touches nothing else: no logging, no locks other threads may
-    have held at the fork)."""
-    pid = os.fork()
-    if pid == 0:  # the child: this thread alone, the recording in its thread-locals
-        code = 1
-        try:
-            fd = os.open(trace, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            os.close(fd)
-            torch.autograd._disable_profiler().save(str(trace))
-            code = 0
-        finally:
-            os._exit(code)
-    return pid
-
-
-def _reap(pid: int, trace: Path) -> Path:
-    """The forked writer's trace once it exited (the writer thread waits, without the GIL)."""
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise OmniError("the profile's trace could not be written (its writer process failed)")
-    _owner_only_file(trace)
-    return trace
-
-
-def _owner_only_file(trace: Path) -> None:
-    fd = os.open(trace, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
-
-
 def _write(prof: profile, trace: Path) -> Path:
     """The trace's file, made fresh (O_EXCL | O_NOFOLLOW) before torch writes it: nothing
     planted at that name is followed or overwritten. torch replaces the file under the
@@ -237,5 +188,9 @@ def _write(prof: profile, trace: Path) -> Path:
     fd = os.open(trace, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.close(fd)
     prof.export_chrome_trace(str(trace))
-    _owner_only_file(trace)
+    fd = os.open(trace, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
     return trace

@@ -3,18 +3,22 @@ one per device): it loads the family's stage model on its device, joins the repl
 torch.distributed group (NCCL on GPUs, gloo on the CPU), applies the family's
 SequenceParallelPlan and serves the server process's commands from its ShmQueue.
 
-Every rank holds every request's state (latents, scheduler) and steps it identically: a
-forward's prediction is gathered on every rank, so the ranks never diverge, and rank 0 alone
-answers what reads a state (checkpoints, previews, the finished latents).
+A request's state (latents, scheduler) lives where the server placed it (parallel_mode.py):
+on every rank, for the collective modes (sequence and CFG parallel), where each rank steps it
+identically (a forward's prediction is gathered on every rank, so the ranks never diverge) and
+rank 0 answers what reads it (checkpoints, previews, the finished latents); or on one rank
+(one-device and data-parallel), which steps it alone, as a one-device replica does, and answers
+for it. A Step names its states and whether it is collective; each rank steps those it holds.
 
 The commands, typed: each is a frozen dataclass of plain values; its tensors travel beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,10 +35,12 @@ from omni_common.models.base import (
     StepRunner,
     StepState,
 )
+from omni_common.models.capabilities import ConfiguresExecution, SplitsCfgBranches
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.sequence_parallel import SequenceParallel
 from omni_common.runtime.shm_queue import ShmQueue
+from omni_common.runtime.worker import DTYPES
 
 log = logging.getLogger("omnistage.rank")
 
@@ -63,9 +69,12 @@ class Restore:
 
 @dataclass(frozen=True)
 class Step:
-    """One step of these states, in one forward (they share a batch key)."""
+    """One step of these states (they share a batch key): collective, every rank holds them all
+    and they run in one forward spread over the ranks; otherwise each rank steps those it holds,
+    in one forward of its own, with no collective."""
 
     sids: tuple[int, ...]
+    collective: bool = True
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ class Read:
 
 @dataclass(frozen=True)
 class Finish:
-    """A finished state's output (rank 0 answers with it); every rank drops the state."""
+    """A finished state's output (each rank that held it answers with it, and drops it)."""
 
     sid: int
 
@@ -96,7 +105,7 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Reply:
+class RankReply:
     """A rank's answer to one command: `value` (plain values; tensors beside it), or the
     status code name and message of the error it raised."""
 
@@ -117,8 +126,10 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Stepped:
-    """After a step: each state's step index and whether its latents are finite."""
+    """After a step: the states this rank stepped, each one's step index and whether its latents
+    are finite."""
 
+    sids: tuple[int, ...]
     steps: tuple[int, ...]
     finite: tuple[bool, ...]
 
@@ -150,7 +161,7 @@ def rank_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"
     )
-    outbox.put(Reply(rank, Mapped()))  # both queues are mapped here: the server may unlink them
+    outbox.put(RankReply(rank, Mapped()))  # both queues are mapped here: the server may unlink them
     device = torch.device(devices[rank])
     threads = config.threads or max(1, (os.cpu_count() or 1) // len(devices))
     torch.set_num_threads(threads)
@@ -165,7 +176,7 @@ def rank_main(
     )
     try:
         runner, sp, weight_bytes = _load(config, role, device, len(devices))
-        outbox.put(Reply(rank, Ready(str(device), weight_bytes)))
+        outbox.put(RankReply(rank, Ready(str(device), weight_bytes)))
         _serve(rank, runner, sp, inbox, outbox, parent)
     finally:
         dist.destroy_process_group()
@@ -186,20 +197,17 @@ def _load(
         devices=world,
         quantization=config.quantization,
     )
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    context = StageContext(device=device, dtype=dtypes[config.dtype], roles=(role,), denoiser=options)
+    context = StageContext(device=device, dtype=DTYPES[config.dtype], roles=(role,), denoiser=options)
     model = family.load(config.stage, Path(config.model_dir), context)
     runner = model.runners[role]
     sp = SequenceParallel(model, plan, world)
-    if hasattr(runner, "cfg_branches"):
-        runner.cfg_branches = sp.branches
     # torch.compile of the DiT's blocks (auto: on GPUs), the collectives traced inside them
     # (checked on the CPU with gloo: the latents of eager). Configured once the hooks are in,
     # inside the whole group, so its warm-up compiles the shapes a sequence parallel forward
     # takes. No CUDA graphs: not measured with collectives inside.
     compile_blocks = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
-    if compile_blocks and hasattr(runner, "configure"):
-        with sp.use(sp.full):
+    if compile_blocks and isinstance(runner, ConfiguresExecution):
+        with _collective(runner, sp):
             runner.configure(replace(options, compile=True))
     weight_bytes = sum(p.numel() * p.element_size() for p in sp.dit.parameters())
     return runner, sp, weight_bytes  # type: ignore[return-value]
@@ -219,13 +227,13 @@ def _serve(
         if isinstance(command, Stop):
             return
         try:
-            value, out = _run(command, tensors, runner, sp, states, rank)
-            reply = Reply(rank, value)
+            value, out = _run(command, tensors, runner, sp, states)
+            reply = RankReply(rank, value)
         except OmniError as err:
-            reply, out = Reply(rank, code=err.code.name, error=err.message), {}
+            reply, out = RankReply(rank, code=err.code.name, error=err.message), {}
         except Exception as err:  # a fault here: the server fails the request, the rank goes on
             log.exception("rank %d: %s failed", rank, type(command).__name__)
-            reply, out = Reply(rank, code="INTERNAL", error=type(err).__name__), {}
+            reply, out = RankReply(rank, code="INTERNAL", error=type(err).__name__), {}
         outbox.put(reply, out, alive=lambda: os.getppid() == parent)
 
 
@@ -235,7 +243,6 @@ def _run(
     runner: StepRunner,
     sp: SequenceParallel,
     states: dict[int, StepState],
-    rank: int,
 ) -> tuple[object, dict[str, torch.Tensor]]:
     """One command on this rank: (the reply's value, its tensors)."""
     if isinstance(command, Prepare):
@@ -246,10 +253,15 @@ def _run(
         runner.restore(states[command.sid], StageState(tensors, dict(command.meta)))
         return states[command.sid].step_index, {}
     if isinstance(command, Step):
-        batch = [states[sid] for sid in command.sids]
-        with sp.use(sp.full):
-            runner.step(batch)
+        sids = tuple(sid for sid in command.sids if sid in states)
+        batch = [states[sid] for sid in sids]
+        if command.collective:
+            with _collective(runner, sp):
+                runner.step(batch)
+        elif batch:
+            runner.step(batch)  # this rank's own states: the one-device path
         return Stepped(
+            sids,
             tuple(state.step_index for state in batch),
             tuple(bool(runner.is_finite(state)) for state in batch),
         ), {}
@@ -262,9 +274,25 @@ def _run(
         return (None, {}) if checkpoint is None else (checkpoint.meta, checkpoint.tensors)
     if isinstance(command, Finish):
         output = runner.finish(states.pop(command.sid))
-        return (output.meta, output.tensors) if rank == 0 else (None, {})
+        return output.meta, output.tensors
     if isinstance(command, Release):
         if command.sid in states:
             runner.release(states.pop(command.sid))
         return None, {}
     raise ValueError(f"unknown command {type(command).__name__}")
+
+
+@contextlib.contextmanager
+def _collective(runner: object, sp: SequenceParallel) -> Iterator[None]:
+    """Forwards inside spread over every rank: sequence parallel, and the CFG branches on the
+    two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches)."""
+    if not isinstance(runner, SplitsCfgBranches):
+        with sp.use(sp.full):
+            yield
+        return
+    runner.cfg_branches = sp.branches
+    try:
+        with sp.use(sp.full):
+            yield
+    finally:
+        runner.cfg_branches = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,7 +36,6 @@ from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.models.validation import check_takes_loras
 from omni_common.runtime.calls import Progress, StageCall
-from omni_common.runtime.compute_thread import ComputeThread
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.hot_reload import (
     WeightsLoaded,
@@ -83,7 +83,7 @@ class Worker(LoraControl):
         # Read before the weights load, so a bad omnistage.json stops the stage at once.
         self.model_defaults = read_model_defaults(config.model_dir, self.family.card, self.family.name)
         self.in_flight = 0
-        self._executor = ComputeThread(f"{self.stage}-compute")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage}-compute")
         # Files that calls name are read here: never on the event loop or the compute thread.
         self.files = FileReader()
         self.control_root = Path(config.control_root) if config.control_root else None
@@ -93,7 +93,6 @@ class Worker(LoraControl):
             config.profile_dir,
             max_seconds=config.profile_max_s,
             max_bytes=config.profile_max_mb << 20,
-            renew_thread=self._executor.renew,
         )
         self.modules = StageModules({}, [])
         self.weight_bytes = 0

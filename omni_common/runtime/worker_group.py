@@ -42,6 +42,7 @@ from omni_common.runtime import rank as commands
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.hot_reload import WeightsLoaded
 from omni_common.runtime.memory import Transition
+from omni_common.runtime.parallel_mode import COLLECTIVE, ModeLog, ParallelPolicy, choose_mode
 from omni_common.runtime.shm_queue import ShmQueue
 from omni_common.runtime.worker import Worker
 
@@ -60,7 +61,7 @@ START_TIMEOUT_S = 1800.0  # loading a full-size model on each device
 class Answer:
     """One rank's reply to a command and the tensors that came with it."""
 
-    reply: commands.Reply
+    reply: commands.RankReply
     tensors: dict[str, torch.Tensor]
 
 
@@ -164,7 +165,7 @@ class WorkerGroup:
                 message = self.outboxes[rank].get(POLL_S)
                 if message is not None:
                     reply, tensors = message
-                    assert isinstance(reply, commands.Reply)
+                    assert isinstance(reply, commands.RankReply)
                     answers.append(Answer(reply, tensors))
                     break
                 if not self._alive():
@@ -199,7 +200,7 @@ class WorkerGroup:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _error(reply: commands.Reply) -> OmniError:
+def _error(reply: commands.RankReply) -> OmniError:
     """The error a rank answered with, as the same OmniError class (InvalidArgument, ...)."""
     code = getattr(grpc.StatusCode, reply.code, grpc.StatusCode.INTERNAL)
     if code == grpc.StatusCode.INTERNAL:
@@ -210,33 +211,67 @@ def _error(reply: commands.Reply) -> OmniError:
 
 @dataclass(kw_only=True)
 class GroupState(StepState):
-    """The server's view of a request whose state lives on every rank (as `sid`)."""
+    """The server's view of a request whose state lives on `ranks` (as `sid`): every rank for
+    the collective modes, one rank otherwise (parallel_mode.py)."""
 
     sid: int
     key: Hashable
     cost: int
+    ranks: tuple[int, ...]
     finite: bool = True
+
+    @property
+    def collective(self) -> bool:
+        return len(self.ranks) > 1
 
 
 class GroupRunner:
-    """A StepRunner whose every call runs on the group's ranks (rank.py does the work)."""
+    """A StepRunner whose every call runs on the group's ranks (rank.py does the work). Each new
+    request is placed by choose_mode: on the rank with the fewest states, or on every rank."""
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(self, group: WorkerGroup, policy: ParallelPolicy | None = None) -> None:
         self.group = group
+        self.policy = policy or ParallelPolicy()
+        self.modes = ModeLog()
         self._ids = itertools.count()
+        self._placed: dict[int, tuple[int, ...]] = {}  # the ranks of each state in flight
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> GroupState:
-        sid = next(self._ids)
-        answers = self.group.call(commands.Prepare(sid, request, dict(inputs.meta)), inputs.tensors)
-        prepared = answers[0].reply.value
+        """Prepared first on the least loaded rank (its step cost sizes the choice), then, for a
+        collective mode, on the other ranks too."""
+        if request.loras:  # the adapters would have to reach every device worker (lora_layers)
+            raise Unimplemented(
+                "LoRA adapters are not available on a dit-denoise replica over several devices; "
+                "send the request to a one-device replica"
+            )
+        sid, world = next(self._ids), len(self.group.devices)
+        held = [sum(rank in ranks for ranks in self._placed.values()) for rank in range(world)]
+        first = min(range(world), key=lambda rank: (held[rank], rank))
+        command = commands.Prepare(sid, request, dict(inputs.meta))
+        prepared = self.group.call(command, inputs.tensors, ranks=[first])[0].reply.value
         assert isinstance(prepared, commands.Prepared)
+        batch = 1 + len(self._placed)
+        mode = choose_mode(batch, prepared.cost, request.do_true_cfg, world, self.policy)
+        self.modes.chose(mode, batch, prepared.cost, request.do_true_cfg)
+        ranks: tuple[int, ...] = (first,)
+        if mode in COLLECTIVE:
+            try:
+                self.group.call(command, inputs.tensors, ranks=[r for r in range(world) if r != first])
+            except BaseException:
+                if not self.group.lost:
+                    self.group.call(commands.Release(sid))
+                raise
+            ranks = tuple(range(world))
+        self._placed[sid] = ranks
         return GroupState(
             request=request,
             step_index=0,
             total_steps=prepared.total_steps,
             sid=sid,
-            key=prepared.key,
+            # A collective step and a local one never mix: the local states' keys are apart.
+            key=prepared.key if len(ranks) > 1 else ("one rank", prepared.key),
             cost=prepared.cost,
+            ranks=ranks,
         )
 
     def batch_key(self, state: StepState) -> Hashable:
@@ -246,11 +281,20 @@ class GroupRunner:
         return _own(state).cost
 
     def step(self, states: Sequence[StepState]) -> None:
+        """One Step to every rank holding one of the states (they share a batch key, so all are
+        collective or none is); each state takes its step index from a rank that holds it."""
         batch = [_own(state) for state in states]
-        stepped = self.group.call(commands.Step(tuple(state.sid for state in batch)))[0].reply.value
-        assert isinstance(stepped, commands.Stepped)
-        for state, index, finite in zip(batch, stepped.steps, stepped.finite, strict=True):
-            state.step_index, state.finite = index, finite
+        collective = any(state.collective for state in batch)
+        ranks = sorted({rank for state in batch for rank in state.ranks})
+        command = commands.Step(tuple(state.sid for state in batch), collective)
+        stepped: dict[int, tuple[int, bool]] = {}
+        for answer in self.group.call(command, ranks=ranks):
+            value = answer.reply.value
+            assert isinstance(value, commands.Stepped)
+            for sid, index, finite in zip(value.sids, value.steps, value.finite, strict=True):
+                stepped.setdefault(sid, (index, finite))
+        for state in batch:
+            state.step_index, state.finite = stepped[state.sid]
 
     def is_done(self, state: StepState) -> bool:
         return state.step_index >= state.total_steps
@@ -259,27 +303,33 @@ class GroupRunner:
         return _own(state).finite
 
     def preview(self, state: StepState) -> np.ndarray | None:
-        tensors = self.group.call(commands.Read(_own(state).sid, "preview"), ranks=[0])[0].tensors
+        own = _own(state)
+        tensors = self.group.call(commands.Read(own.sid, "preview"), ranks=own.ranks[:1])[0].tensors
         return tensors["preview"].numpy() if "preview" in tensors else None
 
     def checkpoint(self, state: StepState) -> StageState | None:
-        answer = self.group.call(commands.Read(_own(state).sid, "checkpoint"), ranks=[0])[0]
+        own = _own(state)
+        answer = self.group.call(commands.Read(own.sid, "checkpoint"), ranks=own.ranks[:1])[0]
         meta = answer.reply.value
         return None if meta is None else StageState(answer.tensors, dict(meta))  # type: ignore[call-overload]
 
     def restore(self, state: StepState, checkpoint: StageState) -> None:
-        answers = self.group.call(
-            commands.Restore(_own(state).sid, dict(checkpoint.meta)), checkpoint.tensors
-        )
+        own = _own(state)
+        command = commands.Restore(own.sid, dict(checkpoint.meta))
+        answers = self.group.call(command, checkpoint.tensors, ranks=own.ranks)
         state.step_index = int(answers[0].reply.value)  # type: ignore[call-overload]
 
     def finish(self, state: StepState) -> StageState:
-        answer = self.group.call(commands.Finish(_own(state).sid))[0]
+        own = _own(state)
+        self._placed.pop(own.sid, None)
+        answer = self.group.call(commands.Finish(own.sid), ranks=own.ranks)[0]
         return StageState(answer.tensors, dict(answer.reply.value))  # type: ignore[call-overload]
 
     def release(self, state: StepState) -> None:
+        own = _own(state)
+        self._placed.pop(own.sid, None)
         if not self.group.lost:
-            self.group.call(commands.Release(_own(state).sid))
+            self.group.call(commands.Release(own.sid), ranks=own.ranks)
 
     def forget_cuda_graphs(self) -> None:
         """The ranks capture none."""
@@ -333,9 +383,13 @@ class GroupWorker(Worker):
             )
         if self.config.offload != "none":
             raise SystemExit(f"{self.stage}: --offload {self.config.offload} is not available with --devices")
-        group = WorkerGroup(replace(self.config, devices=self.devices), steps[0].name)
+        config = self.config
+        group = WorkerGroup(replace(config, devices=self.devices), steps[0].name)
         group.on_lost = self._lost
-        return GroupModel({steps[0].name: GroupRunner(group)}, group)
+        policy = ParallelPolicy(
+            config.parallel_mode, config.cfg_parallel_tokens, config.sequence_parallel_tokens
+        )
+        return GroupModel({steps[0].name: GroupRunner(group, policy)}, group)
 
     def _lost(self, reason: str) -> None:
         if self.on_lost is not None:

@@ -35,9 +35,9 @@ def spread(tiny_model: Path) -> Iterator[InProcessCluster]:
     sets torch's threads to 1 (it computes nothing): restored after, or later clusters in this
     test process would add in another order than their references (4e-7 apart)."""
     threads = torch.get_num_threads()
-    running = InProcessCluster(
-        tiny_model, stage_options={"dit-denoise": {"devices": ("cpu", "cpu"), "threads": 1}}
-    )
+    # Every request over both workers: --parallel-mode auto would give the tiny images one each.
+    options = {"devices": ("cpu", "cpu"), "threads": 1, "parallel_mode": "sequence-parallel"}
+    running = InProcessCluster(tiny_model, stage_options={"dit-denoise": options})
     running.start()
     yield running
     running.stop()

@@ -27,12 +27,13 @@ from omni_common.models.base import (
     StageContext,
     StageModel,
 )
+from omni_common.models.glm_image.grid import AR_PATCH
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.validation import check_multiple, check_options
 
-# The AR model works on a 32-pixel token grid (upsampled 2x for the DiT's 16-pixel patches), so
-# output sizes, and condition images (whose tokens must fill the DiT's grid), are multiples of 32.
-SIZE_MULTIPLE = 32
+# Output sizes, and condition images (whose tokens must fill the DiT's grid), follow the AR
+# model's token grid (grid.py).
+SIZE_MULTIPLE = AR_PATCH
 MAX_IMAGES = 4
 DEFAULT_GUIDANCE = 1.5  # the pipeline's guidance_scale
 

@@ -14,8 +14,7 @@ from transformers import BatchFeature, GlmImageForConditionalGeneration, GlmImag
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image, input_image_bytes
 from omni_common.models.base import GenerationRequest, StageState
-
-AR_PATCH = 32  # pixels per AR image token; the DiT's grid is twice as fine
+from omni_common.models.glm_image.grid import AR_PATCH
 
 
 def condition_images(request: GenerationRequest, inputs: StageState) -> list[Image.Image]:

@@ -166,9 +166,10 @@ class QwenImageDenoiser(LatentSteps, TransformerExecution):
         scheduler.set_begin_index(0)
         threshold = step_cache_threshold(request)
         if threshold > 0:
-            if self.devices > 1:
-                raise InvalidArgument(
-                    f"step_cache is not available on a replica spread over {self.devices} devices"
+            if self.devices > 1:  # the cached forward runs the blocks outside the DiT's hooks
+                raise Unimplemented(
+                    f"step_cache is not available on a replica spread over {self.devices} devices; "
+                    "send it to a one-device replica or leave the option out"
                 )
             check_cacheable(self.transformer)
             if request.loras:

@@ -32,8 +32,14 @@ def quantize_blocks(transformer: QwenImageTransformer2DModel, device: torch.devi
         module
         for block in transformer.transformer_blocks
         for name, module in block.named_modules()
-        if isinstance(module, torch.nn.Linear) and name.split(".")[0] not in KEPT
+        if isinstance(module, torch.nn.Linear) and name.split(".")[0] not in KEPT and _aligned(module)
     ]
     for layer in layers:
         to_float8(layer)
     return len(layers)
+
+
+def _aligned(layer: torch.nn.Linear) -> bool:
+    """Whether cuBLASLt's FP8 product takes the layer: both of its sides a multiple of 16
+    (Qwen-Image's 3072 and 12288 are; a layer that is not keeps the model dtype)."""
+    return layer.in_features % 16 == 0 and layer.out_features % 16 == 0

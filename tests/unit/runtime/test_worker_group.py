@@ -13,20 +13,26 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from omni_common.errors import InvalidArgument, Unavailable
+from omni_common.errors import InvalidArgument, Unavailable, Unimplemented
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.parallel_mode import ParallelPolicy
 from omni_common.runtime.worker_group import GroupRunner, WorkerGroup
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 1e-5  # fp32 latents after 4 steps; the measured worst is 1.2e-6
+# Every request over both ranks (sequence parallel; CFG parallel with CFG), whatever its size:
+# the tiny fixture's images are far below --parallel-mode auto's thresholds.
+SPLIT = ParallelPolicy("sequence-parallel")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,7 @@ def requests(cfg: bool, count: int, **options: str) -> list[tuple[GenerationRequ
 def test_two_ranks_step_like_one_process(
     group: WorkerGroup, local: QwenImageDenoiser, cfg: bool, count: int
 ) -> None:
-    runner = GroupRunner(group)
+    runner = GroupRunner(group, SPLIT)
     work = requests(cfg, count)
     spread = [runner.prepare(request, inputs) for request, inputs in work]
     alone = [local.prepare(request, inputs) for request, inputs in work]
@@ -96,7 +102,7 @@ def test_compiled_blocks_trace_the_collectives(tiny_model: Path, local: QwenImag
     )
     compiled = WorkerGroup(config, "denoise")
     try:
-        runner = GroupRunner(compiled)
+        runner = GroupRunner(compiled, SPLIT)
         for cfg in (False, True):
             ((request, inputs),) = requests(cfg, 1)
             spread, alone = runner.prepare(request, inputs), local.prepare(request, inputs)
@@ -112,7 +118,7 @@ def test_compiled_blocks_trace_the_collectives(tiny_model: Path, local: QwenImag
 def test_checkpoints_move_between_the_group_and_one_process(
     group: WorkerGroup, local: QwenImageDenoiser
 ) -> None:
-    runner = GroupRunner(group)
+    runner = GroupRunner(group, SPLIT)
     ((request, inputs),) = requests(True, 1)
     spread, alone = runner.prepare(request, inputs), local.prepare(request, inputs)
     runner.step([spread])
@@ -134,13 +140,15 @@ def test_checkpoints_move_between_the_group_and_one_process(
 
 
 def test_a_bad_request_fails_alone_and_the_group_serves_on(group: WorkerGroup) -> None:
-    runner = GroupRunner(group)
+    runner = GroupRunner(group, SPLIT)
     ((request, _),) = requests(True, 1)
     with pytest.raises(InvalidArgument, match="negative_prompt_embeds"):
         runner.prepare(request, StageState({"prompt_embeds": torch.randn(1, 5, 16)}))
     ((cached, inputs),) = requests(False, 1, step_cache="0.1")
-    with pytest.raises(InvalidArgument, match="step_cache is not available"):
+    with pytest.raises(Unimplemented, match="step_cache is not available on a replica spread over 2"):
         runner.prepare(cached, inputs)
+    with pytest.raises(Unimplemented, match="LoRA adapters are not available on a dit-denoise replica over"):
+        runner.prepare(replace(cached, options=(), loras=(("ink", 1.0),)), inputs)
     ((fine, inputs),) = requests(False, 1)
     state = runner.prepare(fine, inputs)
     runner.step([state])
@@ -153,7 +161,7 @@ def test_a_dead_rank_loses_the_group(tiny_model: Path) -> None:
     lost: list[str] = []
     doomed.on_lost = lost.append
     try:
-        runner = GroupRunner(doomed)
+        runner = GroupRunner(doomed, SPLIT)
         ((request, inputs),) = requests(False, 1)
         state = runner.prepare(request, inputs)
         pid = doomed.processes[1].pid
@@ -170,3 +178,58 @@ def test_a_dead_rank_loses_the_group(tiny_model: Path) -> None:
             runner.prepare(request, inputs)
     finally:
         doomed.close()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The ranks run one thread each: so does the reference here, for the same summation order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
+def test_data_parallel_requests_each_run_on_one_rank_bitwise_as_on_one_device(
+    group: WorkerGroup, local: QwenImageDenoiser, cfg: bool
+) -> None:
+    runner = GroupRunner(group, ParallelPolicy("data-parallel"))
+    work = requests(cfg, 2)
+    spread = [runner.prepare(request, inputs) for request, inputs in work]
+    assert [state.ranks for state in spread] == [(0,), (1,)]  # the least loaded rank each
+    assert runner.modes.last == "data-parallel"
+    assert runner.batch_key(spread[0]) == runner.batch_key(spread[1])  # one Step for both ranks
+    while not runner.is_done(spread[0]):
+        runner.step(spread)
+    for state, (request, inputs) in zip(spread, work, strict=True):
+        alone = local.prepare(request, inputs)  # each request alone on one device
+        while not local.is_done(alone):
+            local.step([alone])
+        preview = runner.preview(state)
+        assert preview is not None and np.array_equal(preview, local.preview(alone))
+        assert torch.equal(runner.finish(state).tensors["latents"], alone.latents)
+
+
+def test_auto_splits_a_large_request_and_keeps_small_ones_on_one_rank(
+    group: WorkerGroup, local: QwenImageDenoiser
+) -> None:
+    """Thresholds lowered to the tiny images: a lone CFG request runs CFG parallel (the latents
+    of the one-device run, as sequence parallel's are), the next one in flight on one rank."""
+    policy = ParallelPolicy(cfg_parallel_tokens=1, sequence_parallel_tokens=1)
+    runner = GroupRunner(group, policy)
+    (first, second) = requests(True, 2)
+    split = runner.prepare(*first)
+    assert split.ranks == (0, 1) and runner.modes.last == "cfg-parallel"
+    apart = runner.prepare(*second)
+    assert apart.ranks == (0,) and runner.modes.last == "data-parallel"
+    assert runner.batch_key(split) != runner.batch_key(apart)  # never one Step
+    alone = local.prepare(*first)
+    while not runner.is_done(split):
+        runner.step([split])
+        local.step([alone])
+    assert float((runner.finish(split).tensors["latents"] - alone.latents).abs().max()) <= TOLERANCE
+    checkpoint = runner.checkpoint(apart)  # read from the rank that holds it
+    assert checkpoint is not None and checkpoint.meta["step_index"] == "0"
+    runner.release(apart)
+    assert runner.prepare(*second).ranks == (0, 1)  # alone again: split

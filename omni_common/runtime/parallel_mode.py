@@ -1,0 +1,83 @@
+"""How a replica over several devices runs a new request: the mode, chosen per request from the
+batch in flight and the request's shape by a pure function (`choose_mode`), logged when it
+changes.
+
+- one-device: the request lives on one rank and steps there alone, as on a one-device replica
+  (no collective); the other ranks are free for other requests.
+- data-parallel: the same, with several requests in flight: each on the rank with the fewest
+  states, so the ranks step different requests at once (independent replicas inside one).
+- cfg-parallel: with true CFG, the two halves of the ranks run one branch each.
+- sequence-parallel: every rank holds the request and runs a share of its image tokens (Ulysses).
+
+The thresholds come from issue 35's measurements of one replica over 2 H100s, Qwen-Image at real
+size, 20 steps (2 GPUs / 1 GPU): 1024x1024 without CFG 1.033 (sequence parallel bought nothing),
+with CFG 0.557 (CFG parallel pays); 512x512 3.16 without CFG and 1.29 with it (both slower).
+vllm-omni's Ulysses pays at 2048x2048 (0.58). So, in image tokens of one step with CFG counted
+twice (Qwen-Image: (W/16)(H/16), 4096 at 1024x1024): CFG parallel from 8192 (1024x1024 with
+CFG), sequence parallel from 16384 (2048x2048), and below them one rank per request. A second
+request in flight goes to another rank whatever its size: two requests on two devices at once
+beat two requests split over both, one after the other, by the collectives' whole cost.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("omnistage.parallel_mode")
+
+ONE_DEVICE = "one-device"
+DATA_PARALLEL = "data-parallel"
+CFG_PARALLEL = "cfg-parallel"
+SEQUENCE_PARALLEL = "sequence-parallel"
+COLLECTIVE = (CFG_PARALLEL, SEQUENCE_PARALLEL)  # the modes whose states live on every rank
+# --parallel-mode: auto chooses per request; the others force where requests live.
+POLICIES = ("auto", SEQUENCE_PARALLEL, DATA_PARALLEL)
+
+
+@dataclass(frozen=True)
+class ParallelPolicy:
+    """The replica's settings for choose_mode (--parallel-mode and its thresholds)."""
+
+    # auto; sequence-parallel: every request on every rank (CFG parallel where it applies);
+    # data-parallel: every request on one rank.
+    mode: str = "auto"
+    # Image tokens of one step (CFG counted twice) from which a lone request is split.
+    cfg_parallel_tokens: int = 8192
+    sequence_parallel_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise ValueError(f"parallel mode {self.mode!r}; it is one of {', '.join(POLICIES)}")
+
+
+def choose_mode(batch: int, tokens: int, cfg: bool, world: int, policy: ParallelPolicy) -> str:
+    """The mode of a new request: `batch` states in flight counting it, `tokens` image tokens of
+    its step (CFG counted twice), true CFG or not, over `world` ranks."""
+    if world < 2:
+        return ONE_DEVICE
+    cfg_splits = cfg and world % 2 == 0
+    if policy.mode == SEQUENCE_PARALLEL:
+        return CFG_PARALLEL if cfg_splits else SEQUENCE_PARALLEL
+    local = ONE_DEVICE if batch <= 1 else DATA_PARALLEL
+    if policy.mode == DATA_PARALLEL or batch >= world:
+        return local
+    if cfg_splits and tokens >= policy.cfg_parallel_tokens:
+        return CFG_PARALLEL
+    if tokens >= policy.sequence_parallel_tokens:
+        return SEQUENCE_PARALLEL
+    return local
+
+
+class ModeLog:
+    """Logs the chosen mode when it differs from the last one logged."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def chose(self, mode: str, batch: int, tokens: int, cfg: bool) -> None:
+        if mode != self.last:
+            log.info(
+                "parallel mode %s (requests in flight %d, step tokens %d, cfg %s)", mode, batch, tokens, cfg
+            )
+            self.last = mode
