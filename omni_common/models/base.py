@@ -273,6 +273,16 @@ class RoleSpec:
 
 
 @dataclass(frozen=True)
+class PrefixKeys:
+    """A chat call's conversation keys (conversation_keys.py): those of the earlier requests'
+    conversations its prompt starts with, longest first, and its own conversation's key, which
+    the next turn's `reuses` will hold."""
+
+    reuses: tuple[str, ...]
+    leaves: str
+
+
+@dataclass(frozen=True)
 class PlanStep:
     """One role call of a request.
 
@@ -295,6 +305,9 @@ class PlanStep:
     # Consumed tensors that arrive as a stream of chunks (partial outputs of their producer,
     # a capabilities.StreamingRunner): the step starts with the first chunk, not the whole output.
     streamed: tuple[str, ...] = ()
+    # A generator that keeps its prompts' prefix KV (prefix_cache.py): the conversation keys
+    # the coordinator routes the call by, to the replica that keeps an earlier turn's KV.
+    prefixes: PrefixKeys | None = None
 
 
 @dataclass(frozen=True)

@@ -320,6 +320,13 @@ class CoordinatorConfig(ServiceConfig):
         "seconds a cached step output is reused at most; keep it below the stages' --lease-ttl",
         flag="--step-cache-ttl",
     )
+    # Conversation affinity (services/coordinator/affinity.py): how many conversations' replicas
+    # are remembered, so that a chat's next turn runs where its earlier turns' KV is kept.
+    prefix_routes: int = setting(
+        4096,
+        "conversations whose thinker replica is remembered, to send the next turn where the "
+        "earlier turns' KV is kept (0 = off: the least-loaded replica)",
+    )
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,7 @@ from omni_common.runtime.calls import FINISHED_WITH
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
+from services.coordinator.affinity import PrefixRoutes
 from services.coordinator.failures import ReplicaLost, stage_failure
 from services.coordinator.leases import Leases, release_later
 from services.coordinator.offload import SwapPolicy
@@ -74,8 +75,10 @@ class RequestFlow:
         offload: SwapPolicy | None = None,
         cache: StepOutputCache | None = None,
         replica_wait_s: float = 0.0,
+        routes: PrefixRoutes | None = None,
     ) -> None:
         self.pool = pool
+        self.routes = routes if routes is not None else PrefixRoutes(0)
         self.replica_wait_s = replica_wait_s
         self.offload = offload
         self.transport = transport
@@ -152,9 +155,11 @@ class RequestFlow:
                         consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
                 try:
                     state = await self._call(req, step, replica, inputs, consumer, outputs, stream_in)
+                    self.routes.remember(model, step.prefixes, replica.address)
                     return StepOutput(step, replica.address, state)
                 except ReplicaLost as lost:
                     tried.add(replica.address)
+                    self.routes.forget(replica.address)
                     req.failovers.append(replica.address)
                     others = [
                         r for r in self.pool.serving(step.stage, model, step.role) if r.address not in tried
@@ -200,8 +205,14 @@ class RequestFlow:
         a replica lost earlier is taken again once it has re-registered (it restarted)."""
         model = req.params.model
         loras = frozenset(ref.name for ref in req.params.loras)
+        usable = {r.address for r in self.pool.serving(step.stage, model, step.role)} - tried
+        prefer = self.routes.preferred(model, step.prefixes, usable)
         try:
-            return self.pool.pick(step.stage, model, role=step.role, near_host=near, avoid=tried, loras=loras)
+            replica = self.pool.pick(
+                step.stage, model, role=step.role, near_host=near, avoid=tried, loras=loras, prefer=prefer
+            )
+            self.routes.count(step.prefixes, prefer, replica.address)
+            return replica
         except Unavailable:
             if self.replica_wait_s <= 0:
                 raise

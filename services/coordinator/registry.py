@@ -29,6 +29,10 @@ from omnistage.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage
 log = logging.getLogger("omnistage.coordinator")
 
 INFO_TIMEOUT_S = 2.0
+# Calls in flight by which a replica that keeps a call's reusable state (a conversation's prefix
+# KV) may exceed the least-loaded one and still get the call: a generator batches its calls, so
+# a couple more rows cost it less than the prefill the kept state saves.
+PREFER_SLACK = 2
 HEARTBEAT_LEASE_S = 3.0
 
 
@@ -261,14 +265,20 @@ class ReplicaPool:
         near_host: str = "",
         avoid: frozenset[str] = frozenset(),
         loras: frozenset[str] = frozenset(),
+        prefer: str = "",
     ) -> Replica:
         """The least-loaded healthy replica of `stage` serving `model` and `role`, not in `avoid`,
-        preferring one that holds the LoRA adapters `loras`."""
+        preferring one that holds the LoRA adapters `loras`; the replica at `prefer` (it keeps
+        state the call reuses) unless it has PREFER_SLACK more calls in flight than that one."""
         candidates = [r for r in self.serving(stage, model, role) if r.address not in avoid]
         if not candidates:
             what = f"{stage} replica ({role})" if role else f"{stage} replica"
             raise Unavailable(f"no healthy {what} serves {model!r}; retry later")
-        return min(candidates, key=lambda r: r.score(near_host, loras))
+        best = min(candidates, key=lambda r: r.score(near_host, loras))
+        held = next((r for r in candidates if prefer and r.address == prefer), None)
+        if held is not None and held.in_flight <= best.in_flight + PREFER_SLACK:
+            return held
+        return best
 
 
 MAX_NAME_CHARS = 256

@@ -48,6 +48,7 @@ from omni_common.runtime.serve import advertised_address, run, serve
 from omni_common.transport import TensorTransport, add_tensor_store
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
+from services.coordinator.affinity import PrefixRoutes
 from services.coordinator.flow import RequestFlow
 from services.coordinator.offload import SwapPolicy
 from services.coordinator.output_cache import StepOutputCache
@@ -84,6 +85,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             offload=offload,
             cache=cache,
             replica_wait_s=config.replica_wait_s,
+            routes=PrefixRoutes(config.prefix_routes, registry=self.metrics.registry),
         )
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight

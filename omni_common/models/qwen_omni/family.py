@@ -30,6 +30,7 @@ from omni_common.models.base import (
     StageContext,
     StageModel,
 )
+from omni_common.models.conversation_keys import prefix_keys
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.models.qwen_omni.options import OPTIONS, option_int
 from omni_common.models.validation import check_options
@@ -115,6 +116,7 @@ class QwenOmniFamily:
             consumes=media,
             produces=("thinker_states",),
             progress="tokens",
+            prefixes=prefix_keys(request),
         )
         if not option_int(request, "audio"):
             return Plan((thinker,))

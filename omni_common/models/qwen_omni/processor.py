@@ -32,7 +32,8 @@ from omni_common.audio_input import audio_file_bytes, decode_audio_file
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image
 from omni_common.input_media import input_audio_name, input_image_name
-from omni_common.models.base import ChatTurn, GenerationRequest
+from omni_common.models.base import GenerationRequest
+from omni_common.models.conversation_keys import turns_of
 from omni_common.models.prefix_cache import prefix_key
 
 # The tokenizer's named media tokens (tokenizer_config.json's extra_special_tokens), which the
@@ -130,16 +131,7 @@ def conversation(request: GenerationRequest) -> list[dict[str, Any]]:
     """The request as chat-template messages: its own, else one user turn of its media (audio
     clips, then images) and its prompt. A text-only turn keeps a plain string content, which
     every template renders as it always did."""
-    turns = request.messages or (
-        ChatTurn(
-            "user",
-            (
-                *(("audio", i) for i in range(len(request.audios))),
-                *(("image", i) for i in range(len(request.images))),
-                ("text", request.prompt),
-            ),
-        ),
-    )
+    turns = turns_of(request)
     messages: list[dict[str, Any]] = []
     for turn in turns:
         if all(kind == "text" for kind, _ in turn.parts):
