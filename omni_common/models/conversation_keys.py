@@ -29,7 +29,7 @@ def turns_of(request: GenerationRequest) -> tuple[ChatTurn, ...]:
     then images) and its prompt."""
     if request.messages:
         return request.messages
-    parts = (
+    parts: tuple[tuple[str, str | int], ...] = (
         *(("audio", i) for i in range(len(request.audios))),
         *(("image", i) for i in range(len(request.images))),
         ("text", request.prompt),

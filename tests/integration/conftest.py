@@ -33,6 +33,9 @@ class InProcessCluster:
     # Extra StageConfig fields per stage, e.g. {"dit-denoise": {"max_queue": 1}}.
     stage_options: dict[str, dict[str, object]] = field(default_factory=dict)
     coordinator_options: dict[str, object] = field(default_factory=dict)
+    # More replicas of a stage, by name ("ar-encoder.2"), each with its StageConfig fields over
+    # its stage's. Any replica can be stopped alone (stop_replica).
+    extra_replicas: dict[str, dict[str, object]] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     transports: dict[str, TensorTransport] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
@@ -48,22 +51,48 @@ class InProcessCluster:
     def start(self) -> None:
         self._thread.start()
         self._tasks = []
-        for stage, worker in WORKERS.items():
-            options = self.stage_options.get(stage, {})
+        self._replica_stops: dict[str, asyncio.Event] = {}
+        for name in [*WORKERS, *self.extra_replicas]:
+            stage = name.split(".")[0]
+            options = {**self.stage_options.get(stage, {}), **self.extra_replicas.get(name, {})}
             config = StageConfig(stage=stage, model_dir=self.model_dir, dtype=self.dtype, port=0, **options)  # type: ignore[arg-type]
             # A low inline threshold sends every hop but the smallest through shared memory.
-            transport = self.transports[stage] = TensorTransport(inline_threshold=1024)
+            transport = self.transports[name] = TensorTransport(inline_threshold=1024)
             self._launch(
-                stage,
-                serve_stage(config, worker, ready=self._ready(stage), stop=self._stop, transport=transport),
+                name,
+                serve_stage(
+                    config,
+                    WORKERS[stage],
+                    ready=self._ready(name),
+                    stop=self._replica_stop(name),
+                    transport=transport,
+                ),
             )
         replicas = {stage: [self.addresses[stage]] for stage in WORKERS}
+        for name in self.extra_replicas:
+            replicas[name.split(".")[0]].append(self.addresses[name])
         config = CoordinatorConfig(replicas=replicas, port=0, **self.coordinator_options)  # type: ignore[arg-type]
         transport = self.transports["coordinator"] = TensorTransport()
         self._launch(
             "coordinator",
             serve_coordinator(config, ready=self._ready("coordinator"), stop=self._stop, transport=transport),
         )
+
+    def _replica_stop(self, name: str) -> asyncio.Event:
+        """A replica's own stop event; the cluster's stop sets it too."""
+        stop = self._replica_stops[name] = asyncio.Event()
+
+        async def follow() -> None:
+            await self._stop.wait()
+            stop.set()
+
+        asyncio.run_coroutine_threadsafe(follow(), self.loop)
+        return stop
+
+    def stop_replica(self, name: str) -> None:
+        """Stop one replica (its server and its shared memory) and wait until it is down."""
+        self.loop.call_soon_threadsafe(self._replica_stops[name].set)
+        self._tasks[[*WORKERS, *self.extra_replicas].index(name)].result(60)
 
     def live_leases(self) -> dict[str, int]:
         return {name: t.live_leases() for name, t in self.transports.items()}
