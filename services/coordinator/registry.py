@@ -5,7 +5,8 @@ StageInfo every couple of seconds) and self-registration (each heartbeat is a le
 replica that stops heartbeating is dropped). Routing takes the least-loaded healthy
 replica of a stage that serves the model and the role a plan step asks for, by the stage's
 own signal plus the calls this coordinator has in flight there, preferring one on the host
-that holds the request's data.
+that holds the request's data, or one that keeps state the call reuses (a conversation's prefix
+KV: affinity.py) unless it is much busier.
 """
 
 from __future__ import annotations

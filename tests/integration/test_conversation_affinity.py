@@ -36,6 +36,7 @@ def pair(omni_model: Path) -> Iterator[InProcessCluster]:
         omni_model,
         stage_options={"ar-encoder": {"metrics_port": free_port()}},
         extra_replicas={SECOND: {"metrics_port": free_port()}},
+        coordinator_options={"metrics_port": free_port()},
     )
     running.start()
     yield running
@@ -51,6 +52,14 @@ def replica_hits(cluster: InProcessCluster) -> dict[str, float]:
         assert isinstance(port, int)
         hits[cluster.addresses[name]] = scrape(port).get(("omnistage_prefix_cache_hits", labels), 0.0)
     return hits
+
+
+def affinity_hits(cluster: InProcessCluster) -> float:
+    """Chat calls the coordinator sent to the replica that served their conversation."""
+    port = cluster.coordinator_options["metrics_port"]
+    assert isinstance(port, int)
+    hits = ("omnistage_coordinator_prefix_affinity_total", frozenset({("outcome", "hit")}))
+    return scrape(port).get(hits, 0.0)
 
 
 def turn(coordinator: str, history: list[dict[str, object]], audio: bytes) -> tuple[Reply, str]:
@@ -102,7 +111,7 @@ def busy_thinker(coordinator: str) -> tuple[str, threading.Thread]:
 
 def test_a_conversation_follows_its_replica_and_replies_as_without_affinity(pair: InProcessCluster) -> None:
     audio = clip(seed=11)
-    before = replica_hits(pair)
+    before, routed = replica_hits(pair), affinity_hits(pair)
     busy, reader = busy_thinker(pair.coordinator)
     turns = conversation(pair.coordinator, audio)
     _, first, served = next(turns)
@@ -119,6 +128,7 @@ def test_a_conversation_follows_its_replica_and_replies_as_without_affinity(pair
         assert sum(hits.values()) == sum(before.values()) + number - 1, f"turn {number}: prefix hits"
         assert hits[served] == before[served] + number - 1
         replies.append(reply)
+    assert affinity_hits(pair) == routed + 2
     with plain_coordinator(pair) as plain:
         without = [reply for _, reply, _ in conversation(plain, audio)]
     assert [r.text for r in replies] == [r.text for r in without]
