@@ -146,7 +146,7 @@ def failover(omni_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             plan.append(stage_process(stage, omni_model, coordinator, replica, env))
     with LocalCluster(plan, log_dir=root / "logs") as cluster:
         expected: dict[int, Reply | OmniError] = {}
-        for thread in speak_all(cluster.coordinator, expected, lambda _: False, threading.Semaphore(0)):
+        for thread in speak_all(cluster.coordinator, expected, lambda _: False, lambda _: None):
             thread.join(300)
         yield FailoverCluster(cluster, pods, expected)
 
@@ -155,12 +155,12 @@ def speak_all(
     address: str,
     results: dict[int, Reply | OmniError],
     due: Callable[[cpb.GenerateEvent], bool],
-    ready: threading.Semaphore,
+    at_due: Callable[[int], None],
     where: dict[int, dict[str, str]] | None = None,
 ) -> list[threading.Thread]:
-    """A thread per seed, each putting its Reply (or error) in `results`; `ready` is released
-    once per request at its first event for which `due` holds; `where[seed]` says, by step,
-    the replica that runs it (its StageStarted events)."""
+    """A thread per seed, each putting its Reply (or error) in `results`; `at_due(seed)` runs in
+    the request's thread at its first event for which `due` holds, before it reads another;
+    `where[seed]` says, by step, the replica that runs it (its StageStarted events)."""
 
     def one(seed: int) -> None:
         with Client(address) as client:
@@ -171,7 +171,7 @@ def speak_all(
                         where.setdefault(seed, {})[event.stage_started.step] = event.stage_started.replica
                     if not released and due(event):
                         released = True
-                        ready.release()
+                        at_due(seed)
                     builder.add(event, 0.0)
                 results[seed] = builder.build()
             except OmniError as err:
@@ -208,13 +208,24 @@ def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
     cluster, before = failover.cluster, omnistage_segments()
     results: dict[int, Reply | OmniError] = {}
     where: dict[int, dict[str, str]] = {}
-    ready = threading.Semaphore(0)
-    threads = speak_all(cluster.coordinator, results, KILL_WHEN[victim], ready, where)
-    for _ in SEEDS:
-        assert ready.acquire(timeout=120)
-    assert not results, "the replies finished before the kill: make them longer"
-    address = where[SEEDS[0]][victim]  # the replica running the first reply's step
-    name = next(proc.name for proc in cluster.plan if proc.health_address == address)
+    frozen: list[str] = []  # the address and name of the replica stopped mid-step
+    stopped = threading.Event()
+
+    def freeze(seed: int) -> None:
+        """The first reply's step is past its kill point: stop its replica there (SIGSTOP, from
+        the reply's own thread before it reads on), so the step is still in flight when killed,
+        however fast the machine."""
+        if seed != SEEDS[0]:
+            return
+        address = where[seed][victim]
+        name = next(proc.name for proc in cluster.plan if proc.health_address == address)
+        cluster.processes[name].send_signal(signal.SIGSTOP)
+        frozen.extend((address, name))
+        stopped.set()
+
+    threads = speak_all(cluster.coordinator, results, KILL_WHEN[victim], freeze, where)
+    assert stopped.wait(120), "the first reply never reached its kill point"
+    address, name = frozen
     cluster.processes[name].send_signal(signal.SIGKILL)
     cluster.processes[name].wait(30)
     shutil.rmtree(failover.pods[name])
