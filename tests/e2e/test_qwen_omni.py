@@ -237,8 +237,9 @@ def test_a_reply_whose_replica_is_killed_finishes_elsewhere_as_if_uninterrupted(
         got, want = results[seed], failover.expected[seed]
         assert not isinstance(got, OmniError) and not isinstance(want, OmniError), (seed, got, want)
         assert got.text == want.text
-        # Batches differ between an uninterrupted and a resumed run: float rounding.
-        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-5)
+        # Batches differ between an uninterrupted and a resumed run, and so does float32 rounding:
+        # CI saw 1.02e-5 at one sample of 115200 (amplitude 0.2), whichever replica was killed.
+        np.testing.assert_allclose(got.audio, want.audio, rtol=0, atol=1e-4)
     moved = [line for line in log.splitlines() if f"replica {address} " in line and "moving on" in line]
     assert moved, "no reply failed over"
     if victim != "thinker":
