@@ -128,6 +128,8 @@ class StageContext:
     # Output caches of roles that keep one (e.g. prompt embeddings), in bytes; 0 = off.
     cache_bytes: int = 0
     cache_bypass: bool = False
+    # Generators that chunk long prompts' prefills: tokens a step (--prefill-chunk-tokens); 0 = off.
+    prefill_chunk_tokens: int = 0
     # torch.compile the stage's model where its family supports it (ar-encoder: the text
     # encoder's layers; vae-decode: the decode at `capture_sizes`; the DiT's execution flags
     # are `denoiser`).

@@ -93,6 +93,16 @@ class SupportsPrefixCache(Protocol):
 
 
 @runtime_checkable
+class PrefillsInChunks(Protocol):
+    """A generator that prefills a long prompt a chunk per step, between the decode steps of
+    the requests already running (chunked prefill); the stage's metrics count its chunks."""
+
+    def prefill_chunks(self) -> int:
+        """Prefill chunks run by steps so far."""
+        ...
+
+
+@runtime_checkable
 class ConfiguresExecution(Protocol):
     """A denoiser whose execution (attention backend, torch.compile, CUDA graphs) is set after
     it loads, e.g. once a replica over several devices has put its hooks in."""

@@ -7,7 +7,7 @@ and picking its tokens from its own generator (sampling.py); a request stepping 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,18 @@ def decode_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+@dataclass(eq=False)
+class Prefill:
+    """A prompt's prefill while it runs a chunk per scheduler step (chunked prefill): the cache
+    of the tokens computed so far (a transformers DynamicCache, copied into the slot after the
+    last chunk), how many tokens that is, and what the runner keeps of each chunk (the thinker's
+    talker rows, a reused prefix's first)."""
+
+    cache: Any
+    done: int
+    kept: list[torch.Tensor] = field(default_factory=list)
+
+
 @dataclass(kw_only=True, eq=False)
 class GenerationState(StepState):
     """One request in flight. `step_index` counts the tokens picked, of `total_steps`."""
@@ -51,6 +63,9 @@ class GenerationState(StepState):
     last_token: int = -1  # the latest token, on the host (the end check needs no sync)
     chunks_sent: int = 0
     launched: int = 0  # graphed decode: tokens picked or in flight (step_index trails by <= 1)
+    # Its prompt's prefill while it runs a chunk per step; None once the prompt is cached (the
+    # state decodes from then on).
+    prefill: Prefill | None = None
 
     @property
     def seen(self) -> torch.Tensor:
@@ -78,10 +93,14 @@ class SlotGenerator:
         position_rows: int = 3,
         keep_rows: bool = False,
         attention: str = "flex",
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         """`model`: what the graphed decode runs (its decoder and output head), needed for
         decode "graphs"; `position_rows`: the rows of its rope positions; `keep_rows`: also keep
-        each step's last hidden + input embedding (`Launched.extra["rows"]`)."""
+        each step's last hidden + input embedding (`Launched.extra["rows"]`);
+        `prefill_chunk_tokens`: a longer prompt is prefilled this many tokens per step, between
+        the decode steps of the others (0: every prompt at once, when it is admitted; a runner
+        that chunks reads it)."""
         # The decoder itself: transformers 5.21+ nests the thinker's under a multimodal wrapper.
         text_model = decoder_of(text_model)
         use_slot_attention(text_model)
@@ -89,6 +108,10 @@ class SlotGenerator:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.device = device
         self.dtype = dtype
+        if prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be 0 (off) or more, not {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.chunks_prefilled = 0  # prefill chunks run by steps (metrics)
         self.slots = KVSlots(
             config.num_hidden_layers,
             config.num_key_value_heads,
@@ -197,7 +220,23 @@ class SlotGenerator:
         return lengths.view(1, -1, 1).expand(rows, -1, -1)
 
     def live(self, states: Sequence[StepState]) -> list[GenerationState]:
-        return [s for s in states if isinstance(s, GenerationState) and not self.is_done(s)]
+        """The states a decode step advances: prefilled and not done."""
+        return [
+            s for s in states if isinstance(s, GenerationState) and s.prefill is None and not self.is_done(s)
+        ]
+
+    def prefilling(self, states: Sequence[StepState]) -> list[GenerationState]:
+        """The states whose prompt is still being prefilled a chunk per step."""
+        return [s for s in states if isinstance(s, GenerationState) and s.prefill is not None]
+
+    def prefills_at_once(self, remaining: int) -> bool:
+        """Whether a prompt with `remaining` tokens to compute is prefilled in one forward when
+        it is admitted (chunking off, or it fits one chunk), not a chunk per step."""
+        return not self.prefill_chunk_tokens or remaining <= self.prefill_chunk_tokens
+
+    def prefill_chunks(self) -> int:
+        """Prefill chunks run by steps so far (PrefillsInChunks: the stage's metrics)."""
+        return self.chunks_prefilled
 
     def batch_key(self, state: StepState) -> Hashable:
         if self.graphed is not None:  # one recorded step per sampling setting
@@ -228,6 +267,7 @@ class SlotGenerator:
     def release(self, state: StepState) -> None:
         """Free the state's KV slot (idempotent)."""
         assert isinstance(state, GenerationState)
+        state.prefill = None  # (left mid-prefill: its chunks' cache goes too)
         self.slots.release(state.slot)
 
     def forget_cuda_graphs(self) -> None:

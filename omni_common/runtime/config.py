@@ -165,6 +165,13 @@ class StageConfig(ServiceConfig):
         "Qwen2.5-Omni's thinker's prompt-prefix KV (a conversation's earlier turns)",
     )
     cache_bypass: bool = setting(False, "ar-encoder: neither read nor fill those caches (for measurements)")
+    prefill_chunk_tokens: int = setting(
+        512,
+        "ar-encoder: a prompt with more tokens than this to compute is prefilled this many a step, "
+        "between the running replies' decode steps, which then wait for one chunk, not the whole "
+        "prompt (a chunk that would split an audio clip or image runs to its end); 0 = every "
+        "prompt in one forward. Roles that chunk: Qwen2.5-Omni's thinker",
+    )
     vllm_memory_fraction: float = setting(
         0.1, "ar-encoder with --backend vllm: share of device memory (CPU: of RAM) for vLLM"
     )
@@ -285,6 +292,8 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
     devices = parse_devices(args.devices, args.gpus)
     if devices and stage != "dit-denoise":
         raise SystemExit(f"{stage}: --devices and --gpus are for dit-denoise; {stage} runs on --device")
+    if args.prefill_chunk_tokens < 0:
+        raise SystemExit(f"{stage}: --prefill-chunk-tokens must be 0 (off) or more")
     return values_from(StageConfig, args, stage=stage, model_dir=Path(args.model_dir), devices=devices)
 
 

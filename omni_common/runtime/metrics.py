@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,6 +25,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from omni_common.stages import STAGES
 
@@ -134,6 +136,26 @@ class StageMetrics:
                 gauge.labels(stage=stage, role=role).set_function(
                     functools.partial(_step_total, steps, role, attr)
                 )
+        self.registry.register(PrefillChunks(stage, steps))
+
+
+class PrefillChunks(Collector):
+    """`omnistage_prefill_chunks_total`, a counter read when scraped: the prefill chunks each
+    role ran a step at a time (prompts longer than --prefill-chunk-tokens)."""
+
+    def __init__(self, stage: str, steps: Callable[[], Mapping[str, StepTotals]]) -> None:
+        self.stage = stage
+        self.steps = steps
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "omnistage_prefill_chunks",
+            "Prompt chunks prefilled between decode steps (prompts longer than --prefill-chunk-tokens)",
+            labels=["stage", "role"],
+        )
+        for role, totals in self.steps().items():
+            family.add_metric([self.stage, role], totals.prefill_chunks)
+        yield family
 
 
 class CoordinatorMetrics:

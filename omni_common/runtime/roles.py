@@ -25,7 +25,7 @@ from omni_common.models.base import (
     StageState,
     StepRunner,
 )
-from omni_common.models.capabilities import SupportsPrefixCache
+from omni_common.models.capabilities import PrefillsInChunks, SupportsPrefixCache
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.step_scheduler import Compute, StepScheduler, StepTotals
 from omni_common.stages import MAX_BATCH, MAX_QUEUE
@@ -130,6 +130,8 @@ class StepRole:
                 stats.misses,
                 stats.bytes,
             )
+        if isinstance(runner, PrefillsInChunks):
+            totals.prefill_chunks = runner.prefill_chunks()
         return totals
 
     def close(self) -> None:

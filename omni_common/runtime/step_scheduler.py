@@ -69,6 +69,8 @@ class StepTotals:
     prefix_hits: int = 0
     prefix_misses: int = 0
     prefix_bytes: int = 0
+    # A generator that prefills long prompts a chunk per step (PrefillsInChunks): chunks run.
+    prefill_chunks: int = 0
 
 
 class StepScheduler:
@@ -398,6 +400,8 @@ class StepScheduler:
         done, checkpoint, step_ms = launched.done[i], launched.checkpoints[i], self.step_ms
         every = max(call.progress_every, 1)
         partial, job.partial = job.partial, None
+        if not done:  # a step that prefilled a chunk of its prompt (chunked prefill): no token yet
+            return
         if done % every == 0 or done == state.total_steps or checkpoint is not None or partial is not None:
             progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
             if launched.previews[i]:  # its step was completed before the next launch

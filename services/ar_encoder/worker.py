@@ -4,7 +4,8 @@ GLM-Image's prior generator and glyph encoder).
 The backend (`--backend torch|vllm`) is chosen here and started by the family's loader before
 the service reports healthy; a role without a vLLM backend, or a backend that cannot start,
 stops the service with a clear error. Roles that keep an output cache (Qwen-Image's prompt
-embeddings) get `--cache-bytes` / `--cache-bypass`.
+embeddings) get `--cache-bytes` / `--cache-bypass`; generators that chunk long prompts' prefills
+get `--prefill-chunk-tokens`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class EncoderWorker(Worker):
             vllm_memory_fraction=config.vllm_memory_fraction,
             cache_bytes=config.cache_bytes,
             cache_bypass=config.cache_bypass,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
             # --compile on compiles the text encoder's layers; auto leaves them eager: a lone
             # prompt's graph replay beats them (QwenImageEncoder.use_cuda_graphs).
             compile=self.compile_flag() and config.compile == "on",

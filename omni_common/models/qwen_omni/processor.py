@@ -218,6 +218,8 @@ class ThinkerPrompt:
     image_digests: tuple[str, ...]
     markers: tuple[int, int]  # the ids that open an audio clip's and an image's placeholders
     ids_on_host: torch.Tensor  # input_ids[0] on the CPU, for keys
+    # Each clip's and image's span of tokens, (its opening marker, its closing marker), in order.
+    spans: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(
@@ -245,6 +247,7 @@ class ThinkerPrompt:
         )
         text = torch.arange(input_ids.shape[1], device=device).view(1, 1, -1)
         tokenizer: Any = processor.tokenizer
+        ids_on_host = input_ids[0].cpu()
         return cls(
             input_ids=input_ids,
             positions=torch.cat([text, rope.to(device)]),
@@ -253,7 +256,14 @@ class ThinkerPrompt:
             audio_digests=tuple(request.audios[i].digest for i in media_order(messages, "audio")),
             image_digests=tuple(request.images[i].digest for i in media_order(messages, "image")),
             markers=(tokenizer.audio_bos_token_id, tokenizer.vision_bos_token_id),
-            ids_on_host=input_ids[0].cpu(),
+            ids_on_host=ids_on_host,
+            spans=media_spans(
+                ids_on_host,
+                [
+                    (tokenizer.audio_bos_token_id, tokenizer.audio_eos_token_id),
+                    (tokenizer.vision_bos_token_id, tokenizer.vision_eos_token_id),
+                ],
+            ),
         )
 
     @property
@@ -272,23 +282,46 @@ class ThinkerPrompt:
             self.ids_on_host[:length], (*self.audio_digests[:audios], *self.image_digests[:images])
         )
 
-    def media_after(self, start: int) -> dict[str, torch.Tensor]:
-        """The media inputs of the clips and images that open at or after token `start` (those
-        before it are in a reused prefix's cache already)."""
+    def chunk_end(self, start: int, size: int) -> int:
+        """Where a prefill chunk of `size` tokens from `start` ends: at most the prompt's end,
+        and past the span of a clip or image it would split (the model takes a medium's
+        features whole, with all its placeholders), so such a chunk is longer than `size`."""
+        end = min(start + size, self.length)
+        for opens, closes in self.spans:
+            if opens < end <= closes:
+                end = closes + 1
+        return end
+
+    def media_between(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """The media inputs of the clips and images that open in tokens [start, end) (those
+        before `start` are in a reused prefix's or an earlier chunk's cache already)."""
         audios, images = self._media_before(start)
+        audios_end, images_end = self._media_before(end)
         media = dict(self.media)
         if "input_features" in media:
-            if audios >= media["input_features"].shape[0]:
+            if audios >= audios_end:
                 del media["input_features"], media["feature_attention_mask"]
             else:
-                media["input_features"] = media["input_features"][audios:]
-                media["feature_attention_mask"] = media["feature_attention_mask"][audios:]
+                media["input_features"] = media["input_features"][audios:audios_end]
+                media["feature_attention_mask"] = media["feature_attention_mask"][audios:audios_end]
         if "pixel_values" in media:
             grids = media["image_grid_thw"]
-            if images >= grids.shape[0]:
+            if images >= images_end:
                 del media["pixel_values"], media["image_grid_thw"]
             else:
                 skipped = int(grids[:images].prod(dim=-1).sum())
-                media["pixel_values"] = media["pixel_values"][skipped:]
-                media["image_grid_thw"] = grids[images:]
+                taken = int(grids[images:images_end].prod(dim=-1).sum())
+                media["pixel_values"] = media["pixel_values"][skipped : skipped + taken]
+                media["image_grid_thw"] = grids[images:images_end]
         return media
+
+
+def media_spans(ids: torch.Tensor, markers: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The (opening, closing) token indices of every span that `markers`' pairs of ids open and
+    close in `ids` [L], in order."""
+    spans = []
+    for opens, closes in markers:
+        starts = (ids == opens).nonzero().view(-1).tolist()
+        ends = (ids == closes).nonzero().view(-1).tolist()
+        spans += list(zip(starts, ends, strict=False))
+    return tuple(sorted(spans))

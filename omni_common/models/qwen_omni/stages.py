@@ -36,6 +36,7 @@ class QwenOmniStage:
                     context.dtype,
                     max_slots=context.max_queue,
                     prefix_bytes=0 if context.cache_bypass else context.cache_bytes,
+                    prefill_chunk_tokens=context.prefill_chunk_tokens,
                 )
                 self.thinker, self._runners["thinker"] = thinker.model, thinker
             if context.wants("talker"):

@@ -32,7 +32,7 @@ from transformers import DynamicCache, Qwen2_5OmniThinkerForConditionalGeneratio
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
-from omni_common.models.generation import GenerationState, SlotGenerator, decode_mode
+from omni_common.models.generation import GenerationState, Prefill, SlotGenerator, decode_mode
 from omni_common.models.graphed_decode import Launched
 from omni_common.models.prefix_cache import (
     DEFAULT_MAX_BYTES,
@@ -80,6 +80,7 @@ class Thinker(SlotGenerator):
         max_tokens: int = MAX_TOKENS,
         decode: str = "auto",
         prefix_bytes: int = DEFAULT_MAX_BYTES,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         # The text decoder: `model.model` up to transformers 5.20, `model.model.language_model` after.
         super().__init__(
@@ -92,6 +93,7 @@ class Thinker(SlotGenerator):
             model=model,
             position_rows=4,
             keep_rows=True,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
         self.model = model
         self.processor = processor
@@ -115,8 +117,10 @@ class Thinker(SlotGenerator):
         max_tokens: int | None = None,
         decode: str = "auto",
         prefix_bytes: int = DEFAULT_MAX_BYTES,
+        prefill_chunk_tokens: int = 0,
     ) -> Thinker:
-        """The checkpoint's thinker; `prefix_bytes` bounds its prefix KV cache (0: off)."""
+        """The checkpoint's thinker; `prefix_bytes` bounds its prefix KV cache (0: off);
+        `prefill_chunk_tokens` chunks longer prompts' prefills (0: off; SlotGenerator)."""
         config = load_config(model_dir)
         model = load_part(
             Qwen2_5OmniThinkerForConditionalGeneration,
@@ -141,6 +145,7 @@ class Thinker(SlotGenerator):
             max_tokens=max_tokens,
             decode=decode,
             prefix_bytes=prefix_bytes,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
 
     def weights_changed(self) -> None:
@@ -154,26 +159,31 @@ class Thinker(SlotGenerator):
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> ThinkerState:
         """The prompt's prefill, which picks the first token; a prefix of the prompt whose KV this
-        replica kept (an earlier turn of the conversation) is not computed again."""
-        bos = int(speaker(self.speakers, speaker_of(request))["bos_token"])
+        replica kept (an earlier turn of the conversation) is not computed again. A prompt with
+        more than `prefill_chunk_tokens` tokens left to compute is prefilled by the steps
+        instead, a chunk each (`step`)."""
+        speaker(self.speakers, speaker_of(request))  # an unknown speaker fails here, not mid-prefill
         prompt = ThinkerPrompt.of(self.processor, self.model, request, inputs.tensors, self.device)
         total = option_int(request, "max_new_tokens")
         length = prompt.length
         speak = bool(option_int(request, "audio"))
         slot = self.slots.acquire(length + total)
         try:
+            sampling = Sampling.build(
+                self.model,
+                prompt.input_ids,
+                total,
+                request.seed,
+                do_sample=bool(option_int(request, "thinker_do_sample")),
+            )
+            self.check_graphable(sampling)
+            prefill = self._start_prefill(prompt, speak)
             state = ThinkerState(
                 request=request,
                 step_index=0,
                 total_steps=total,
                 slot=slot,
-                sampling=Sampling.build(
-                    self.model,
-                    prompt.input_ids,
-                    total,
-                    request.seed,
-                    do_sample=bool(option_int(request, "thinker_do_sample")),
-                ),
+                sampling=sampling,
                 eos=frozenset(_eos_ids(self.model)),
                 sequence=torch.cat([prompt.input_ids, prompt.input_ids.new_zeros(1, total)], dim=1),
                 prompt_length=length,
@@ -181,18 +191,10 @@ class Thinker(SlotGenerator):
                 speak=speak,
                 feed_rows=option_int(request, "feed_tokens"),
                 prompt=prompt,
+                prefill=prefill,
             )
-            self.check_graphable(state.sampling)
-            prefix = self.prefixes.lookup(length, prompt.key, rows=speak)
-            output, cache, rows = self._prefill(prompt, prefix)
-            self.fill_slot(state, cache)
-            self._keep(prompt.key(length), length, cache, rows)
-            if speak:
-                embed = self.model.get_input_embeddings()
-                specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
-                state.first = {"prompt": rows, "specials": embed(specials)}
-            self.pick([state], output.logits)
-            self.join(state, self._decode_positions(state))
+            if self.prefills_at_once(length - prefill.done):
+                self._prefill_chunk(state)
         except BaseException:
             self.slots.release(slot)
             raise
@@ -207,35 +209,55 @@ class Thinker(SlotGenerator):
         count = self.graphed.rope.shape[2]
         return torch.arange(start, start + count, device=self.device).expand(4, -1)
 
-    def _prefill(
-        self, prompt: ThinkerPrompt, prefix: PrefixEntry | None
-    ) -> tuple[Any, DynamicCache, torch.Tensor]:
-        """The forward over the prompt's tokens after `prefix` (all of them without one): its
-        output, the whole prompt's cache and its talker rows [L, H] (last hidden + embedding)."""
+    def _start_prefill(self, prompt: ThinkerPrompt, speak: bool) -> Prefill:
+        """The prefill of `prompt` before its first forward: the KV (and talker rows) of the
+        longest prefix this replica kept, if any, as its cache."""
         cache = DynamicCache(config=self.model.config.get_text_config())
-        start = 0
-        if prefix is not None:
-            for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
-                cache.update(keys.clone(), values.clone(), layer)
-            start = prefix.length
+        prefix = self.prefixes.lookup(prompt.length, prompt.key, rows=speak)
+        if prefix is None:
+            return Prefill(cache, 0)
+        for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
+            cache.update(keys.clone(), values.clone(), layer)
+        return Prefill(cache, prefix.length, [] if prefix.rows is None else [prefix.rows])
+
+    def _prefill_chunk(self, state: ThinkerState) -> None:
+        """The forward over the prompt's next chunk (the rest of it when chunking is off) and
+        its talker rows (last hidden + embedding); after the last chunk, the prompt's cache goes
+        into the slot, chunk 0's tensors are made and the first token is picked."""
+        prompt, prefill = state.prompt, state.prefill
+        assert prefill is not None
+        start = prefill.done
+        end = prompt.length
+        if self.prefill_chunk_tokens:
+            end = prompt.chunk_end(start, self.prefill_chunk_tokens)
         output = self.model(
-            input_ids=prompt.input_ids[:, start:],
-            attention_mask=torch.ones_like(prompt.input_ids),
-            position_ids=prompt.positions[..., start:],
-            past_key_values=cache,
+            input_ids=prompt.input_ids[:, start:end],
+            attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
+            position_ids=prompt.positions[..., start:end],
+            past_key_values=prefill.cache,
             use_cache=True,
             output_hidden_states=True,
             logits_to_keep=1,
-            **prompt.media_after(start),
+            **prompt.media_between(start, end),
         )
         hidden = output.hidden_states
         # `generate` zeroes the embedding half of the talker's row at audio and image
         # placeholders (the talker hears the thinker's last layer there, not the features).
-        placeholders = torch.isin(prompt.input_ids[0, start:], self.media_token_ids)
-        rows = hidden[-1][0] + hidden[0][0].masked_fill(placeholders.unsqueeze(-1), 0)
-        if prefix is not None and prefix.rows is not None:
-            rows = torch.cat([prefix.rows, rows])
-        return output, cache, rows
+        placeholders = torch.isin(prompt.input_ids[0, start:end], self.media_token_ids)
+        prefill.kept.append(hidden[-1][0] + hidden[0][0].masked_fill(placeholders.unsqueeze(-1), 0))
+        prefill.done = end
+        if end < prompt.length:
+            return
+        rows = prefill.kept[0] if len(prefill.kept) == 1 else torch.cat(prefill.kept)
+        state.prefill = None
+        self.fill_slot(state, prefill.cache)
+        self._keep(prompt.key(end), end, prefill.cache, rows)
+        if state.speak:
+            bos = int(speaker(self.speakers, speaker_of(state.request))["bos_token"])
+            specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
+            state.first = {"prompt": rows, "specials": self.model.get_input_embeddings()(specials)}
+        self.pick([state], output.logits)
+        self.join(state, self._decode_positions(state))
 
     def _keep(self, key: str, length: int, cache: Any, rows: torch.Tensor | None) -> None:
         """Keep the cache of the first `length` tokens (copies) for later prompts that start so."""
@@ -249,8 +271,17 @@ class Thinker(SlotGenerator):
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
-        """One decode forward for every state not done: a row each, then a token each."""
-        live = self.live(states)
+        """One decode forward for every prefilled state not done (a row each, then a token
+        each), then the next chunk of each prompt being prefilled a chunk per step: a running
+        reply waits for one chunk, never for a whole long prompt."""
+        self._decode(self.live(states))
+        for state in self.prefilling(states):
+            assert isinstance(state, ThinkerState)
+            self._prefill_chunk(state)
+            self.chunks_prefilled += 1
+
+    def _decode(self, live: list[GenerationState]) -> None:
+        """One decode forward for `live`: a row each, then a token each."""
         if self.graphed is not None:
             self.graphed_rows(self.graphed_step(live))
             return
