@@ -71,6 +71,13 @@ def graphed_attention(
     and `value` are the rows' whole buffers), each row attends to its own tokens in one call;
     otherwise transformers' SDPA (prefills)."""
     if row_attention is None:  # a prefill: transformers' SDPA
+        past = key.shape[2] - query.shape[2]
+        if attention_mask is None and past > 0:
+            # After cached tokens (a reused prefix, an earlier chunk): SDPA's causal flag would
+            # align the mask top-left, so the queries' offset is spelled out.
+            attention_mask = torch.ones(
+                query.shape[2], key.shape[2], dtype=torch.bool, device=query.device
+            ).tril(past)[None, None]
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = cast(float, getattr(module, "scaling", query.shape[-1] ** -0.5))
     if row_attention.kind == "flex":
@@ -86,7 +93,8 @@ def graphed_attention(
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     """The mask function of GRAPHED_ATTENTION: decode steps mask per row themselves; prefills
-    (one request, causal, no padding) need none from transformers either, as SDPA's causal flag."""
+    (one request, causal, no padding) need none from transformers either: SDPA's causal flag,
+    or `graphed_attention`'s causal mask after cached tokens."""
     return None
 
 
