@@ -101,6 +101,10 @@ class PrefillsInChunks(Protocol):
         """Prefill chunks run by steps so far."""
         ...
 
+    def is_prefilling(self, state: StepState) -> bool:
+        """Whether `state`'s prompt is still being prefilled (its steps pick no token yet)."""
+        ...
+
 
 @runtime_checkable
 class ConfiguresExecution(Protocol):

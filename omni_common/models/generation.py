@@ -229,6 +229,10 @@ class SlotGenerator:
         """The states whose prompt is still being prefilled a chunk per step."""
         return [s for s in states if isinstance(s, GenerationState) and s.prefill is not None]
 
+    def is_prefilling(self, state: StepState) -> bool:
+        """Whether `state`'s prompt is still being prefilled a chunk per step (PrefillsInChunks)."""
+        return isinstance(state, GenerationState) and state.prefill is not None
+
     def prefills_at_once(self, remaining: int) -> bool:
         """Whether a prompt with `remaining` tokens to compute is prefilled in one forward when
         it is admitted (chunking off, or it fits one chunk), not a chunk per step."""

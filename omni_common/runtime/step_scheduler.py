@@ -41,7 +41,7 @@ import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, Unavailable
 from omni_common.models.base import StageState, StepRunner, StepState
-from omni_common.models.capabilities import HasIdleWork, StreamingRunner
+from omni_common.models.capabilities import HasIdleWork, PrefillsInChunks, StreamingRunner
 from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
 from omni_common.runtime.step_jobs import Event, Job, Launched, advance, joined, log_steps, preview_png
@@ -105,6 +105,7 @@ class StepScheduler:
         self._task: asyncio.Task[None] | None = None
         self._left: list[StepState] = []  # states of jobs that left unfinished, to release
         self.streaming: StreamingRunner | None = runner if isinstance(runner, StreamingRunner) else None
+        self.chunked: PrefillsInChunks | None = runner if isinstance(runner, PrefillsInChunks) else None
         # Device events time the steps on a GPU; `overlap` defaults to on there (see above).
         self.timed = device is not None and device.type == "cuda"
         self.overlap = (self.timed if overlap is None else overlap) and self.streaming is None
@@ -400,8 +401,8 @@ class StepScheduler:
         done, checkpoint, step_ms = launched.done[i], launched.checkpoints[i], self.step_ms
         every = max(call.progress_every, 1)
         partial, job.partial = job.partial, None
-        if not done:  # a step that prefilled a chunk of its prompt (chunked prefill): no token yet
-            return
+        if self.chunked is not None and self.chunked.is_prefilling(state):
+            return  # its step prefilled a chunk of its prompt: no token, nothing to report yet
         if done % every == 0 or done == state.total_steps or checkpoint is not None or partial is not None:
             progress = Progress(step=done, total=state.total_steps, step_ms=step_ms, partial=partial)
             if launched.previews[i]:  # its step was completed before the next launch
