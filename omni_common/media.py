@@ -75,7 +75,8 @@ class Video:
         at the rate its frames' durations average to (DEFAULT_FRAME_MS each where a file says
         0 or 10 ms, as browsers show them)."""
         with Image.open(path) as animation:
-            frames, total_ms = [], 0.0
+            frames: list[Image.Image] = []
+            total_ms = 0.0
             for frame in ImageSequence.Iterator(animation):
                 duration = float(frame.info.get("duration") or 0)
                 total_ms += duration if duration > 10 else DEFAULT_FRAME_MS

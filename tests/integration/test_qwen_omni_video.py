@@ -2,7 +2,8 @@
 video's frames equals transformers' processor + `generate` on the same frames bit for bit (text
 and waveform, fp32, CPU); hostile videos are INVALID_ARGUMENT with a message that says which
 limit, and the service stays up; the prefix cache keys a conversation by its videos' content,
-so the same words over another video are not a hit."""
+so the same words over another video are not a hit; `omnistage speak` sends a GIF's frames or
+a list of frame files."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from omni_common.cluster import free_port
 from omni_common.errors import InvalidArgument
 from omni_common.media import Video
 from omni_common.models.qwen_omni.reference import reference_generate
+from omnistage_cli import main as cli
 from tests.integration.conftest import InProcessCluster
 from tests.integration.test_qwen_omni_media import CAPS, PROMPT, clip, picture, prefix_hits
 
@@ -163,3 +165,27 @@ def test_a_conversation_over_another_video_is_not_a_prefix_hit(
     )
     assert elsewhere.text == ref.text
     np.testing.assert_array_equal(elsewhere.audio, ref.waveform.numpy())
+
+
+def test_the_speak_command_sends_a_gifs_frames_and_a_list_of_frames(
+    omni: InProcessCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pictures = [Image.open(io.BytesIO(frame)) for frame in frames(4, seed=6)]
+    gif = tmp_path / "clip.gif"
+    pictures[0].save(gif, save_all=True, append_images=pictures[1:], duration=500, loop=0)
+    paths = []
+    for i, still in enumerate(pictures):
+        paths.append(tmp_path / f"{i}.png")
+        still.save(paths[-1])
+    caps = [f"--option={name}={value}" for name, value in CAPS.items()]
+    base = ["speak", PROMPT, "--address", omni.coordinator, "--seed", "3", "--option", "audio=0", *caps]
+    assert cli.main([*base, "--video", str(gif), "--quiet"]) == 0
+    from_gif = capsys.readouterr().out
+    assert cli.main([*base, "--video-frames", *map(str, paths), "--fps", "2", "--quiet"]) == 0
+    from_frames = capsys.readouterr().out
+    with Client(omni.coordinator) as client:
+        gif_reply = client.speak(PROMPT, video=Video.open(gif), seed=3, audio=False, options=CAPS)
+        frames_reply = client.speak(PROMPT, video=Video(paths, FPS), seed=3, audio=False, options=CAPS)
+    assert from_gif.startswith(gif_reply.text + "\n")
+    assert from_frames.startswith(frames_reply.text + "\n")
+    assert cli.main([*base, "--video", str(paths[0].with_suffix(".missing"))]) == 1

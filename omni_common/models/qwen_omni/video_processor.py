@@ -39,17 +39,16 @@ class FrameProcessor:
 
     def __call__(
         self,
-        videos: Sequence[Sequence[Image.Image]] | Sequence[Image.Image],
+        videos: Sequence[Sequence[Image.Image]],
         *,
         size: Mapping[str, int] | None = None,
         return_tensors: str | None = None,
         **_: Any,  # fps and the rest: frames are taken as sent (no sampling), so they change nothing
     ) -> BatchFeature:
-        if videos and isinstance(videos[0], Image.Image):
-            videos = [videos]  # type: ignore[list-item]  # one video's frames
+        """Each video (its RGB frames, one size) as patches, all videos' concatenated, and a
+        grid each."""
         patches, grids = [], []
         for frames in videos:
-            assert not isinstance(frames, Image.Image)
             video, grid = self.video(list(frames), dict(size or self.size))
             patches.append(video)
             grids.append(grid)
