@@ -2,9 +2,9 @@
 and given to the stages as one canonical serialized InputVideo.
 
 No container is decoded anywhere (no av, decord or torchcodec): a client sends the frames it
-sampled. The coordinator checks every video at the edge from its frames' headers (no pixels
-decoded) and hands the stages `input.video.i`, the message re-serialized deterministically, so
-its digest (the caches' content address) is the same wherever it is computed. A stage checks it
+sampled. The coordinator re-serializes every video deterministically (`input.video.i`, whose digest is
+the caches' content address wherever it is computed) and checks it at the edge from its frames'
+headers (no pixels decoded). A stage checks it
 again (a stage may be called directly) and decodes the frames only in the runner that uses them.
 """
 
@@ -25,22 +25,18 @@ from omni_common.limits import MAX_VIDEO_FPS, MAX_VIDEO_FRAMES, MAX_VIDEO_PIXELS
 from omnistage.v1 import coordinator_pb2 as cpb
 
 
-def canonical_video(video: cpb.InputVideo, *, index: int, max_pixels: int) -> bytes:
-    """The bytes the stages get for `video` (its frames and rate, re-serialized
-    deterministically), after checking it against the limits."""
-    check_video(video, index=index, max_pixels=max_pixels)
-    return _serialized(video)
-
-
-def _serialized(video: cpb.InputVideo) -> bytes:
+def canonical_video(video: cpb.InputVideo) -> bytes:
+    """The bytes the stages get for `video`: its frames and rate alone (no unknown fields),
+    serialized deterministically. Unchecked: `inspect_video` checks them."""
     canonical = cpb.InputVideo(frames=video.frames, fps=video.fps)
     return canonical.SerializeToString(deterministic=True)
 
 
 def inspect_video(data: bytes, *, index: int, max_pixels: int) -> VideoInput:
-    """What planning needs of a canonical video (its frames, size, rate, content address), checked."""
+    """What planning needs of a canonical video (its frames, size, rate, content address), checked
+    against the limits (`check_video`)."""
     video = parse_video(data, index=index)
-    if _serialized(video) != data:
+    if canonical_video(video) != data:
         raise InvalidArgument(
             f"input video {index} is not a canonical InputVideo (send it through the coordinator)"
         )
@@ -55,7 +51,7 @@ def parse_video(data: bytes, *, index: int) -> cpb.InputVideo:
         raise InvalidArgument(f"input video {index} is not a serialized InputVideo") from None
 
 
-def check_video(video: cpb.InputVideo, *, index: int, max_pixels: int, digest: str = "") -> VideoInput:
+def check_video(video: cpb.InputVideo, *, index: int, max_pixels: int, digest: str) -> VideoInput:
     """`video` as planning knows it, if it is within the limits: 1 to MAX_VIDEO_FRAMES frames,
     each a readable image of one size under `max_pixels`, MAX_VIDEO_PIXELS in all, fps in
     [MIN_VIDEO_FPS, MAX_VIDEO_FPS]; INVALID_ARGUMENT saying which limit it is over if not."""

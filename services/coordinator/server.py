@@ -168,8 +168,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return Accepted(request_id, params, family.plan(gen), media)
 
     def _media(self, request: cpb.GenerateRequest) -> dict[str, bytes]:
-        """The request's input images, audio clips (raw PCM wrapped as WAV) and videos (checked,
-        re-serialized) by the tensor name plan steps consume them under."""
+        """The request's input images, audio clips (raw PCM wrapped as WAV) and videos
+        (re-serialized; `_accept` checks them) by the tensor name plan steps consume them under."""
         media: dict[str, bytes] = {}
         images = audios = videos = 0
         for i, item in enumerate(request.inputs):
@@ -181,8 +181,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 media[input_audio_name(audios)] = canonical_audio(item.audio, index=audios)
                 audios += 1
             elif kind == "video":
-                video = canonical_video(item.video, index=videos, max_pixels=self.max_pixels)
-                media[input_video_name(videos)] = video
+                media[input_video_name(videos)] = canonical_video(item.video)
                 videos += 1
             else:
                 raise InvalidArgument(f"input {i} carries no image, audio or video")

@@ -35,7 +35,7 @@ def tensor(data: bytes) -> torch.Tensor:
 
 def test_a_video_reaches_the_stages_as_its_frames_and_rate() -> None:
     frames = [png(1), png(2), png(3)]
-    data = canonical_video(cpb.InputVideo(frames=frames, fps=2.5), index=0, max_pixels=MAX_PIXELS)
+    data = canonical_video(cpb.InputVideo(frames=frames, fps=2.5))
     seen = inspect_video(data, index=0, max_pixels=MAX_PIXELS)
     assert (seen.frames, seen.width, seen.height, seen.fps, seen.seconds) == (3, 28, 28, 2.5, 1.2)
     decoded, fps = decode_video(data, index=0)
@@ -47,12 +47,12 @@ def test_a_video_reaches_the_stages_as_its_frames_and_rate() -> None:
 def test_unknown_fields_do_not_change_the_bytes_or_the_digest() -> None:
     video = cpb.InputVideo(frames=[png(1)], fps=2.0)
     extended = video.SerializeToString() + b"\x18\x07"  # field 3, a varint no schema names
-    plain = canonical_video(video, index=0, max_pixels=MAX_PIXELS)
-    assert canonical_video(cpb.InputVideo.FromString(extended), index=0, max_pixels=MAX_PIXELS) == plain
+    plain = canonical_video(video)
+    assert canonical_video(cpb.InputVideo.FromString(extended)) == plain
 
 
 def test_a_stage_refuses_what_is_not_a_canonical_video_and_gaps() -> None:
-    data = canonical_video(cpb.InputVideo(frames=[png(1)], fps=2.0), index=0, max_pixels=MAX_PIXELS)
+    data = canonical_video(cpb.InputVideo(frames=[png(1)], fps=2.0))
     with pytest.raises(InvalidArgument, match="not a serialized InputVideo"):
         input_videos({input_video_name(0): tensor(b"\xff\xff\xff")}, max_pixels=MAX_PIXELS)
     with pytest.raises(InvalidArgument, match="not a canonical InputVideo"):

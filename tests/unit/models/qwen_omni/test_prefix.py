@@ -117,7 +117,7 @@ def video(seed: int) -> bytes:
         buffer = io.BytesIO()
         Image.fromarray(frame).save(buffer, format="PNG")
         encoded.append(buffer.getvalue())
-    return canonical_video(cpb.InputVideo(frames=encoded, fps=2.0), index=0, max_pixels=1 << 22)
+    return canonical_video(cpb.InputVideo(frames=encoded, fps=2.0))
 
 
 VIDEO_FIRST = (ChatTurn("user", (("video", 0), ("text", "Hello, who are you?"))),)
