@@ -41,8 +41,8 @@ def test_a_conversation_becomes_chat_messages() -> None:
     assert params.prompt == ""
     assert [m.role for m in params.messages] == ["system", "user"]
     assert [p.WhichOneof("part") for p in params.messages[1].parts] == ["audio", "text"]
-    with pytest.raises(ValueError, match="text, audio or image"):
-        chat_request([{"role": "user", "content": [{"type": "video", "video": 0}]}])
+    with pytest.raises(ValueError, match="text, audio, image or video"):
+        chat_request([{"role": "user", "content": [{"type": "file", "file": 0}]}])
 
 
 def test_videos_become_input_media_after_the_images_and_parts_name_them() -> None:
