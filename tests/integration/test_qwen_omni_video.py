@@ -56,14 +56,15 @@ def omni(omni_model: Path) -> Iterator[InProcessCluster]:
 def test_a_reply_to_text_and_video_equals_the_processor_and_generate(
     omni: InProcessCluster, omni_model: Path, media: str
 ) -> None:
-    video = frames(5)  # odd: the last frame fills the second temporal patch
+    video = frames(5)  # odd: the last frame fills the third temporal patch
+    rate = 0.5  # not the processor's default (2): the rate must reach the rope positions
     audios, images = ([clip()], [picture()]) if media == "all" else ([], [])
     with Client(omni.coordinator) as client:
         reply = client.speak(
             PROMPT,
             audio=audios,
             images=images,
-            video=Video(video, FPS),
+            video=Video(video, rate),
             seed=5,
             stream_audio=False,
             options=CAPS,
@@ -73,7 +74,7 @@ def test_a_reply_to_text_and_video_equals_the_processor_and_generate(
         PROMPT,
         audios=audios,
         images=images,
-        videos=[(video, FPS)],
+        videos=[(video, rate)],
         seed=5,
         thinker_max_new_tokens=12,
         talker_max_new_tokens=40,

@@ -16,6 +16,8 @@ from PIL import Image
 from omni_common.audio_input import inspect_audio, wav_bytes
 from omni_common.input_media import input_audio_name, input_video_name
 from omni_common.models.base import ChatTurn, GenerationRequest, StageState
+from omni_common.models.qwen_omni.processor import ThinkerPrompt, reference_inputs
+from omni_common.models.qwen_omni.reference import one_turn
 from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.video_input import canonical_video, inspect_video
 from omnistage.v1 import coordinator_pb2 as cpb
@@ -110,14 +112,15 @@ def video_turn(thinker: Thinker, turns: tuple[ChatTurn, ...], video: bytes) -> l
     return tokens
 
 
-def video(seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (2, 28, 28, 3), dtype=np.uint8)
+def video(seed: int, count: int = 2, fps: float = 2.0) -> bytes:
+    """A serialized InputVideo of `count` 28x28 noise frames."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (count, 28, 28, 3), dtype=np.uint8)
     encoded = []
     for frame in pixels:
         buffer = io.BytesIO()
         Image.fromarray(frame).save(buffer, format="PNG")
         encoded.append(buffer.getvalue())
-    return canonical_video(cpb.InputVideo(frames=encoded, fps=2.0))
+    return canonical_video(cpb.InputVideo(frames=encoded, fps=fps))
 
 
 VIDEO_FIRST = (ChatTurn("user", (("video", 0), ("text", "Hello, who are you?"))),)
@@ -140,3 +143,32 @@ def test_a_video_prefix_is_reused_for_its_own_frames_only(thinker: Thinker) -> N
     hits = thinker.prefix_stats().hits
     video_turn(thinker, VIDEO_SECOND, video(3))  # same tokens, other frames
     assert thinker.prefix_stats().hits == hits
+
+
+def test_the_thinkers_video_prompt_equals_the_processors_with_its_rate(thinker: Thinker) -> None:
+    """The frames, the placeholders and the rope positions (the rate sets them: 2 / fps seconds a
+    temporal patch) equal transformers' processor called with that fps, for a rate other than
+    its default."""
+    positions = {}
+    for fps in (2.0, 0.5):
+        data = video(4, count=5, fps=fps)  # 3 temporal patches, the last padded
+        frames = list(cpb.InputVideo.FromString(data).frames)
+        seen = inspect_video(data, index=0, max_pixels=1 << 22)
+        request = GenerationRequest(prompt="What?", videos=(seen,))
+        tensors = {input_video_name(0): torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+        prompt = ThinkerPrompt.of(thinker.processor, thinker.model, request, tensors, CPU)
+        ref = reference_inputs(thinker.processor, one_turn("What?", videos=1), videos=[(frames, fps)])
+        assert torch.equal(prompt.input_ids, ref["input_ids"])
+        assert torch.equal(prompt.media["pixel_values_videos"], ref["pixel_values_videos"])
+        expected, delta = thinker.model.get_rope_index(
+            ref["input_ids"],
+            None,
+            ref["video_grid_thw"],
+            ref["attention_mask"],
+            False,
+            None,
+            ref["video_second_per_grid"],
+        )
+        assert torch.equal(prompt.positions[1:], expected) and prompt.rope_delta == int(delta)
+        positions[fps] = expected
+    assert not torch.equal(positions[2.0], positions[0.5])
