@@ -147,8 +147,10 @@ def chat_message(message: Mapping[str, Any]) -> stage_pb2.ChatMessage:
             parts.append(stage_pb2.ChatPart(text=part["text"]))
         elif kind == "audio":
             parts.append(stage_pb2.ChatPart(audio=int(part["audio"])))
-        elif kind in ("image", "video"):
-            parts.append(stage_pb2.ChatPart(**{kind: int(part[kind])}))
+        elif kind == "image":
+            parts.append(stage_pb2.ChatPart(image=int(part["image"])))
+        elif kind == "video":
+            parts.append(stage_pb2.ChatPart(video=int(part["video"])))
         else:
             raise ValueError(f"a message part must be text, audio, image or video, not {kind!r}")
     return stage_pb2.ChatMessage(role=message["role"], parts=parts)

@@ -60,7 +60,7 @@ class FrameProcessor:
     def video(self, frames: list[Image.Image], size: dict[str, int]) -> tuple[torch.Tensor, list[int]]:
         """One video's patches and its (grid_t, grid_h, grid_w)."""
         # One patch of one frame per row: the image processor's rows with a temporal size of 1.
-        out = self.images(frames, size=size, temporal_patch_size=1, return_tensors="pt")
+        out = self.images.preprocess(frames, size=size, temporal_patch_size=1, return_tensors="pt")
         pixels, (_, grid_h, grid_w) = out["pixel_values"], out["image_grid_thw"][0].tolist()
         m, p, t = self.merge_size, self.patch_size, self.temporal_patch_size
         channels = pixels.shape[-1] // (p * p)
