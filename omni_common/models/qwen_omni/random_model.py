@@ -24,8 +24,10 @@ from omni_common.models.qwen_omni.fixture import (
     REF_MEL_FRAMES,
     SPEAKERS,
     build_config,
+    build_tiny_fixture,
     build_tokenizer,
 )
+from omni_common.models.qwen_omni.processor import preprocessor_config
 from omni_common.models.weights import RANDOM_WEIGHTS_FILE
 
 
@@ -54,6 +56,8 @@ def write_random_model(out_dir: Path, *, full_size: bool, seed: int = 0) -> Path
     config: Any = full_size_config(tokenizer) if full_size else build_config(tokenizer)
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # The processor's settings: the published ones (audio, images and video frames).
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     width = config.token2wav_config.dit_config.enc_emb_dim
     speakers = {}
     for index, name in enumerate(SPEAKERS):
@@ -66,3 +70,11 @@ def write_random_model(out_dir: Path, *, full_size: bool, seed: int = 0) -> Path
     torch.save(speakers, out_dir / SPEAKERS_FILE)
     (out_dir / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}) + "\n")
     return out_dir
+
+
+def make_fixture(out_dir: Path, *, random_weights: str | None, seed: int = 0) -> Path:
+    """`omnistage fixture` (the registry's FamilyEntry.fixture): the tiny model with its
+    weights, or with random_weights "tiny" or "full" the configs only."""
+    if random_weights:
+        return write_random_model(out_dir, full_size=random_weights == "full", seed=seed)
+    return build_tiny_fixture(out_dir, seed=seed)
