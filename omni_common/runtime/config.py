@@ -169,7 +169,7 @@ class StageConfig(ServiceConfig):
         512,
         "ar-encoder: a prompt with more tokens than this to compute is prefilled this many a step, "
         "between the running replies' decode steps, which then wait for one chunk, not the whole "
-        "prompt (a chunk that would split an audio clip or image runs to its end); 0 = every "
+        "prompt (a chunk that would split an audio clip, image or video runs to its end); 0 = every "
         "prompt in one forward. Roles that chunk: Qwen2.5-Omni's thinker",
     )
     vllm_memory_fraction: float = setting(

@@ -2,7 +2,7 @@
 prefilled at admission exactly as before; a longer one runs a chunk per step and picks the
 whole prefill's greedy tokens, with its talker rows, KV and first logits within float rounding
 (chunks change the shapes of the attention and matrix products, not the computation); a chunk
-that would split an audio clip runs to the clip's end; a running reply steps exactly once
+that would split an audio clip or a video runs to its end; a running reply steps exactly once
 between two chunks of a prompt that joins it; a request cancelled mid-prefill frees its slot."""
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import torch
 from prometheus_client import generate_latest
 
 from omni_common.audio_input import inspect_audio, wav_bytes
-from omni_common.input_media import input_audio_name
+from omni_common.input_media import input_audio_name, input_video_name
 from omni_common.models.base import ChatTurn, GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.thinker import Thinker, ThinkerState
 from omni_common.runtime.calls import StageCall
 from omni_common.runtime.metrics import StageMetrics
 from omni_common.runtime.step_scheduler import StepScheduler, StepTotals
+from omni_common.video_input import inspect_video
+from tests.unit.models.qwen_omni.test_prefix import video
 
 CPU = torch.device("cpu")
 CHUNK = 16
@@ -36,6 +38,7 @@ LONG = " ".join(f"Sentence {i} of a long prompt about boats, rivers and the sea.
 # logits (printed by the test).
 TOL = 1e-5
 Compute = Callable[..., Awaitable[Any]]
+Medium = tuple[str, bytes] | None  # ("audio", a WAV file) or ("video", a serialized InputVideo)
 
 
 class StepLog(Thinker):
@@ -87,33 +90,40 @@ def chunked(omni_model: Path) -> StepLog:
     return thinker
 
 
-def request(prompt: str = LONG, tokens: int = 6, audio: bytes | None = None) -> GenerationRequest:
+def request(prompt: str = LONG, tokens: int = 6, medium: Medium = None) -> GenerationRequest:
+    """A greedy spoken reply to `prompt`, after `medium` (an audio clip or a video) if given."""
     options = (("audio", "1"), ("max_new_tokens", str(tokens)), ("thinker_do_sample", "0"))
-    if audio is None:
+    if medium is None:
         return GenerationRequest(prompt=prompt, seed=1, options=options)
-    turn = ChatTurn("user", (("audio", 0), ("text", prompt)))
-    return GenerationRequest(
-        prompt="", messages=(turn,), audios=(inspect_audio(audio, index=0),), options=options
-    )
+    kind, data = medium
+    turn = ChatTurn("user", ((kind, 0), ("text", prompt)))
+    if kind == "audio":
+        return GenerationRequest(
+            prompt="", messages=(turn,), audios=(inspect_audio(data, index=0),), options=options
+        )
+    videos = (inspect_video(data, index=0, max_pixels=1 << 22),)
+    return GenerationRequest(prompt="", messages=(turn,), videos=videos, options=options)
 
 
-def inputs(audio: bytes | None) -> StageState:
-    if audio is None:
+def inputs(medium: Medium) -> StageState:
+    if medium is None:
         return StageState({})
-    return StageState({input_audio_name(0): torch.frombuffer(bytearray(audio), dtype=torch.uint8)})
+    kind, data = medium
+    name = input_audio_name(0) if kind == "audio" else input_video_name(0)
+    return StageState({name: torch.frombuffer(bytearray(data), dtype=torch.uint8)})
 
 
 class Run:
     """What a thinker made of one request stepped alone: its tokens, talker rows of the prompt,
     KV right after the prefill, the first token's logits and the chunk steps it took."""
 
-    def __init__(self, thinker: Thinker, gen: GenerationRequest, audio: bytes | None = None) -> None:
+    def __init__(self, thinker: Thinker, gen: GenerationRequest, medium: Medium = None) -> None:
         logits: list[torch.Tensor] = []
         hook = thinker.model.lm_head.register_forward_hook(
             lambda _m, _i, out: logits.append(out[:, -1].detach())
         )
         try:
-            state = thinker.prepare(gen, inputs(audio))
+            state = thinker.prepare(gen, inputs(medium))
             self.chunk_steps = 0
             while state.prefill is not None:
                 thinker.step([state])
@@ -196,13 +206,14 @@ def test_under_the_graphed_decode_a_chunk_after_cached_tokens_attends_causally(
     assert largest(after.first_logits, before.first_logits) < TOL and largest(after.rows, before.rows) < TOL
 
 
-def test_a_chunk_that_would_split_an_audio_clip_runs_to_the_clips_end(
-    omni_model: Path, whole: Thinker, chunked: StepLog
+@pytest.mark.parametrize("kind", ["audio", "video"])
+def test_a_chunk_that_would_split_a_clip_or_video_runs_to_its_end(
+    omni_model: Path, whole: Thinker, chunked: StepLog, kind: str
 ) -> None:
     noise = np.random.default_rng(5).uniform(-0.5, 0.5, 8000).astype(np.float32)
-    audio = wav_bytes(noise, 16_000)
-    gen = request(SHORT, audio=audio)
-    state = whole.prepare(gen, inputs(audio))
+    medium = (kind, wav_bytes(noise, 16_000) if kind == "audio" else video(5))
+    gen = request(SHORT, medium=medium)
+    state = whole.prepare(gen, inputs(medium))
     ((opens, closes),) = state.prompt.spans
     whole.finish(state)
     # A chunk size that ends the first chunk just past the clip's opening marker.
@@ -218,7 +229,7 @@ def test_a_chunk_that_would_split_an_audio_clip_runs_to_the_clips_end(
         prefill_chunk_tokens=opens + 1,
     )
     assert state.prompt.chunk_end(0, opens + 1) == closes + 1
-    before, after = Run(whole, gen, audio), Run(split, gen, audio)
+    before, after = Run(whole, gen, medium), Run(split, gen, medium)
     assert after.chunk_steps >= 2
     assert after.tokens == before.tokens
     assert largest(after.rows, before.rows) < TOL and largest(after.first_logits, before.first_logits) < TOL
