@@ -6,6 +6,7 @@ and picking its tokens from its own generator (sampling.py); a request stepping 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ class Prefill:
     cache: Any
     done: int
     kept: list[torch.Tensor] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)  # prompts are prefilled in this order
 
 
 @dataclass(kw_only=True, eq=False)
@@ -225,9 +227,16 @@ class SlotGenerator:
             s for s in states if isinstance(s, GenerationState) and s.prefill is None and not self.is_done(s)
         ]
 
-    def prefilling(self, states: Sequence[StepState]) -> list[GenerationState]:
-        """The states whose prompt is still being prefilled a chunk per step."""
-        return [s for s in states if isinstance(s, GenerationState) and s.prefill is not None]
+    def next_prefill(self, states: Sequence[StepState]) -> GenerationState | None:
+        """The state whose prompt's next chunk a step of `states` prefills: of those still
+        prefilling, the one whose prefill started first. One chunk a step, so the running
+        replies wait for one chunk at most however many long prompts join at once."""
+        waiting = [
+            (s.prefill.started, i, s)
+            for i, s in enumerate(states)
+            if isinstance(s, GenerationState) and s.prefill is not None
+        ]
+        return min(waiting)[2] if waiting else None
 
     def is_prefilling(self, state: StepState) -> bool:
         """Whether `state`'s prompt is still being prefilled a chunk per step (PrefillsInChunks)."""

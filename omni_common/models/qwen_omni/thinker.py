@@ -272,12 +272,13 @@ class Thinker(SlotGenerator):
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
         """One decode forward for every prefilled state not done (a row each, then a token
-        each), then the next chunk of each prompt being prefilled a chunk per step: a running
-        reply waits for one chunk, never for a whole long prompt."""
+        each), then the next chunk of the earliest prompt being prefilled a chunk per step
+        (`next_prefill`): a running reply waits for one chunk, never for a whole long prompt."""
         self._decode(self.live(states))
-        for state in self.prefilling(states):
-            assert isinstance(state, ThinkerState)
-            self._prefill_chunk(state)
+        prefilling = self.next_prefill(states)
+        if prefilling is not None:
+            assert isinstance(prefilling, ThinkerState)
+            self._prefill_chunk(prefilling)
             self.chunks_prefilled += 1
 
     def _decode(self, live: list[GenerationState]) -> None:

@@ -57,7 +57,7 @@ class StepLog(Thinker):
             self.released()
 
     def step(self, states: Sequence[StepState]) -> None:
-        chunked = bool(self.prefilling(states))
+        chunked = self.next_prefill(states) is not None
         super().step(states)
         self.log.append(
             [(s, s.step_index, s.prefill is not None) for s in states if isinstance(s, ThinkerState)]
@@ -183,6 +183,22 @@ def test_a_long_prompt_in_chunks_picks_the_whole_prefills_tokens(whole: Thinker,
     }
     print(f"chunked vs whole prefill ({length} tokens, {after.chunk_steps} chunks): {differences}")
     assert max(differences.values()) < TOL
+    assert not chunked.slots.active
+
+
+def test_prompts_joining_together_are_prefilled_one_chunk_a_step_first_come_first(chunked: StepLog) -> None:
+    first, second = (chunked.prepare(request(), StageState({})) for _ in range(2))
+    counted, steps = chunked.prefill_chunks(), 0
+    progress = []
+    while first.prefill is not None or second.prefill is not None:
+        chunked.step([second, first])
+        steps += 1
+        progress.append((first.prefill is None, second.prefill.done if second.prefill is not None else -1))
+    assert chunked.prefill_chunks() - counted == steps  # one chunk a step
+    done_at = next(i for i, (finished, _) in enumerate(progress) if finished)
+    assert all(done == 0 for _, done in progress[: done_at + 1]), "the second waited for the first"
+    chunked.release(first)
+    chunked.release(second)
     assert not chunked.slots.active
 
 
