@@ -3,20 +3,27 @@
 Traces go under the replica's profile directory (--profile-dir, by default
 omnistage-profiles-<uid> in the system's temporary directory), each call's in a subdirectory
 it names or a new one: a call never chooses where on the machine a file is written. The
-profiler starts and stops on the replica's compute thread, where every forward runs, and
-records CPU operators (and CUDA kernels on a GPU); the trace is written as Chrome trace JSON,
-which chrome://tracing and Perfetto (ui.perfetto.dev) open.
+profiler records on the replica's compute thread, where every forward runs: CPU operators
+with their input shapes (and CUDA kernels on a GPU); the trace is one Chrome trace JSON
+file, which chrome://tracing and Perfetto (ui.perfetto.dev) open.
 
 What keeps a profile from hurting serving (issue 38):
-- a session stops itself after `max_seconds` or once the process has grown `max_bytes` of
-  resident memory since it started (a client that never sends StopProfile, a Ctrl-C, a
-  crash): the compute thread checks after each of its tasks (`enforce_limits`);
-- the trace (hundreds of MB for a few hundred requests) is written by a writer thread, never
-  the compute thread: stopping only ends the recording there. What no thread choice avoids:
-  torch holds the GIL while it stops (its C++ post-processing of the events) and while it
-  writes the JSON, every thread of the process waits, for a time proportional to the events
-  recorded (benchmarks/profile_stop.py: ~5-13 s and ~4 s per 100k operator events on 2
-  shared CPU cores). The memory bound is therefore also the bound on that stall;
+- torch processes a recording's events when it stops, holding the GIL (every thread of the
+  process waits: ~1.8 s per 20k operator events with shapes on 2 shared CPU cores), and it
+  keeps the recording in the state of the thread that started it. So the compute thread
+  records in segments: after each task (CPU; on CUDA after the first task that ends a second
+  after the segment began, since each end synchronizes the device) it ends the segment and
+  saves it (the cost lands on the task whose events they are, as profiling overhead) and
+  records the next. StopProfile ends only the last segment; a process of its own
+  (trace_merge.py, exec'd, never a fork of this one, at low priority) joins the segments
+  into the trace while the replica serves (benchmarks/profile_stop.py: request latency while
+  StopProfile runs, against one recording for the session);
+- a session stops itself after `max_seconds`, or once its saved segments or the process's
+  growth in resident memory since it started pass `max_bytes` (a client that never sends
+  StopProfile, a Ctrl-C, a crash): the compute thread checks after each of its tasks;
+- a session still running when the replica closes is dropped on the compute thread, before
+  that thread ends (a recording left in an ended thread's state crashes the process at
+  exit);
 - the profile directory is owner-only (0700, owned by this user: a shared /tmp directory
   made by someone else is refused), subdirectories and trace files are created fresh
   (mode 0700 / 0600) and a symlink planted anywhere on the way is refused, never followed.
@@ -24,6 +31,7 @@ What keeps a profile from hurting serving (issue 38):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -186,8 +194,13 @@ class StageProfiler:
             )
             self._stopped = self._finish()
         elif now - session.segment_started >= self.segment_s:
-            self._save_segment(session)
-            session.recording, session.segment_started = self._record(), time.monotonic()
+            try:
+                self._save_segment(session)
+                session.recording, session.segment_started = self._record(), time.monotonic()
+            except Exception:  # the task's own result stands; the profile goes
+                log.exception("%s: saving a profile segment failed; the profile is dropped", self.stage)
+                self._session = None
+                _drop(session)
 
     def stop(self) -> tuple[Future[Path], float]:
         """End the recording (the compute thread): (its file, being merged; seconds
@@ -212,7 +225,11 @@ class StageProfiler:
     def _finish(self) -> tuple[Future[Path], float]:
         session, self._session = self._session, None
         assert session is not None
-        self._save_segment(session)
+        try:
+            self._save_segment(session)
+        except Exception:
+            _drop(session)
+            raise
         seconds = time.monotonic() - session.started
         trace = session.directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(session):x}.json"
         return self._merger.submit(_merge, session.segments, trace), seconds
@@ -222,9 +239,15 @@ class StageProfiler:
         an ended thread's state crashes the process at exit) and wait for merges."""
         session, self._session = self._session, None
         if session is not None:
-            session.recording.stop()
-            shutil.rmtree(session.segments, ignore_errors=True)
+            _drop(session)
         self._merger.shutdown(wait=True)
+
+
+def _drop(session: Session) -> None:
+    """End a session's recording (if still running) and delete its segments."""
+    with contextlib.suppress(Exception):  # already stopped: torch warns or raises
+        session.recording.stop()
+    shutil.rmtree(session.segments, ignore_errors=True)
 
 
 def _merge(segments: Path, trace: Path) -> Path:

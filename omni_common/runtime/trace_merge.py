@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m omni_common.runtime.trace_merge SEGMENTS OUT", file=sys.stderr)
         return 2
-    os.nice(19)  # the replica's compute comes first
+    os.nice(10)  # the replica's compute comes first
     merge(Path(argv[0]), Path(argv[1]))
     return 0
 
