@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import inspect
+import sys
 from pathlib import Path
 from typing import Any
+
+from omni_common.models.registry import fixture_maker, registered
 
 
 def add_tool_parsers(sub: Any) -> None:
@@ -13,12 +17,12 @@ def add_tool_parsers(sub: Any) -> None:
     fixture.add_argument("out", help="the directory to write; its name is the name it is served under")
     fixture.add_argument(
         "--family",
-        choices=("qwenimage", "glm-image", "qwen2.5-omni"),
+        choices=[entry.name for entry in registered() if entry.fixture],
         default="qwenimage",
         help="the model family (default qwenimage)",
     )
     fixture.add_argument(
-        "--head-dim", type=int, default=16, help="qwenimage: the text encoder's head size (vLLM needs 32)"
+        "--head-dim", type=int, help="qwenimage: the text encoder's head size (default 16; vLLM needs 32)"
     )
     fixture.add_argument(
         "--random-weights",
@@ -42,33 +46,14 @@ def add_tool_parsers(sub: Any) -> None:
 
 
 def _fixture(args: argparse.Namespace) -> int:
-    if args.family == "qwen2.5-omni":
-        from omni_common.models.qwen_omni.fixture import build_tiny_fixture as build_omni
-        from omni_common.models.qwen_omni.random_model import write_random_model as random_omni
-
-        if args.random_weights:
-            path = random_omni(Path(args.out), full_size=args.random_weights == "full", seed=args.seed)
-        else:
-            path = build_omni(Path(args.out), seed=args.seed)
-        print(f"wrote {path}")
-        return 0
-    if args.family == "glm-image":
-        from omni_common.models.glm_image.fixture import build_tiny_fixture as build_glm_image
-        from omni_common.models.glm_image.random_model import write_random_model as random_glm
-
-        if args.random_weights:
-            path = random_glm(Path(args.out), full_size=args.random_weights == "full", seed=args.seed)
-        else:
-            path = build_glm_image(Path(args.out), seed=args.seed)
-        print(f"wrote {path}")
-        return 0
-    from omni_common.models.qwenimage.fixture import build_tiny_fixture
-    from omni_common.models.qwenimage.random_model import write_random_model
-
-    if args.random_weights:
-        path = write_random_model(Path(args.out), full_size=args.random_weights == "full", seed=args.seed)
-    else:
-        path = build_tiny_fixture(Path(args.out), head_dim=args.head_dim, seed=args.seed)
+    """The family's own builder, from the registry (FamilyEntry.fixture)."""
+    make = fixture_maker(args.family)
+    options = {} if args.head_dim is None else {"head_dim": args.head_dim}
+    unknown = set(options) - set(inspect.signature(make).parameters)
+    if unknown:
+        print(f"omnistage fixture: --head-dim does not apply to {args.family}", file=sys.stderr)
+        return 2
+    path = make(Path(args.out), random_weights=args.random_weights, seed=args.seed, **options)
     print(f"wrote {path}")
     return 0
 

@@ -12,6 +12,7 @@ import functools
 import importlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,21 +22,38 @@ from omni_common.models.base import ModelFamily
 
 @dataclass(frozen=True)
 class FamilyEntry:
-    """One registered family: its name, its family class as "module:Class", and the model
-    directories it serves: diffusers pipeline classes (model_index.json `_class_name`) and
-    transformers model types (config.json `model_type`, read where there is no model_index.json)."""
+    """One registered family: its name, its family class as "module:Class", the model
+    directories it serves (diffusers pipeline classes, model_index.json `_class_name`, and
+    transformers model types, config.json `model_type`, read where there is no
+    model_index.json) and, as "module:function", how `omnistage fixture` builds one offline:
+    `make(out, *, random_weights, seed, **options) -> Path`, random_weights None (a tiny model
+    with its weights), "tiny" or "full" (configs only, seeded weights built where it loads)."""
 
     name: str
     family: str
     pipeline_classes: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
+    fixture: str = ""
 
 
 FAMILIES = (
-    FamilyEntry("qwenimage", "omni_common.models.qwenimage.family:QwenImageFamily", ("QwenImagePipeline",)),
-    FamilyEntry("glm-image", "omni_common.models.glm_image.family:GlmImageFamily", ("GlmImagePipeline",)),
     FamilyEntry(
-        "qwen2.5-omni", "omni_common.models.qwen_omni.family:QwenOmniFamily", model_types=("qwen2_5_omni",)
+        "qwenimage",
+        "omni_common.models.qwenimage.family:QwenImageFamily",
+        ("QwenImagePipeline",),
+        fixture="omni_common.models.qwenimage.random_model:make_fixture",
+    ),
+    FamilyEntry(
+        "glm-image",
+        "omni_common.models.glm_image.family:GlmImageFamily",
+        ("GlmImagePipeline",),
+        fixture="omni_common.models.glm_image.random_model:make_fixture",
+    ),
+    FamilyEntry(
+        "qwen2.5-omni",
+        "omni_common.models.qwen_omni.family:QwenOmniFamily",
+        model_types=("qwen2_5_omni",),
+        fixture="omni_common.models.qwen_omni.random_model:make_fixture",
     ),
 )
 # Families registered from outside: comma-separated "module:attribute" references, each to a
@@ -96,6 +114,19 @@ def find_family(name: str) -> ModelFamily | None:
     """The family registered under `name` (one instance per process), None for an unknown name."""
     entry = next((entry for entry in registered() if entry.name == name), None)
     return _instance(entry) if entry is not None else None
+
+
+def fixture_maker(name: str) -> Callable[..., Path]:
+    """How the family registered under `name` builds a model directory offline (FamilyEntry.
+    fixture); NotFound for an unknown family or one that registered none."""
+    entry = next((entry for entry in registered() if entry.name == name), None)
+    if entry is None or not entry.fixture:
+        known = ", ".join(e.name for e in registered() if e.fixture)
+        raise NotFound(f"no offline fixture for model family {name[:50]!r}; families with one: {known}")
+    make = _resolve(entry.fixture)
+    if not callable(make):
+        raise ValueError(f"fixture {entry.fixture!r} of model family {name!r} is not a function")
+    return make
 
 
 @functools.cache

@@ -108,3 +108,11 @@ def _write_full_size_configs(out_dir: Path) -> None:
             latents_std=[1.0] * 16,
         ).save_config(out_dir / "vae")
     FlowMatchEulerDiscreteScheduler().save_config(out_dir / "scheduler")
+
+
+def make_fixture(out_dir: Path, *, random_weights: str | None, seed: int = 0) -> Path:
+    """`omnistage fixture` (the registry's FamilyEntry.fixture): the tiny model with its
+    weights, or with random_weights "tiny" or "full" the configs only."""
+    if random_weights:
+        return write_random_model(out_dir, full_size=random_weights == "full", seed=seed)
+    return build_tiny_fixture(out_dir, seed=seed)

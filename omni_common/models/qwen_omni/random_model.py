@@ -24,6 +24,7 @@ from omni_common.models.qwen_omni.fixture import (
     REF_MEL_FRAMES,
     SPEAKERS,
     build_config,
+    build_tiny_fixture,
     build_tokenizer,
 )
 from omni_common.models.weights import RANDOM_WEIGHTS_FILE
@@ -66,3 +67,11 @@ def write_random_model(out_dir: Path, *, full_size: bool, seed: int = 0) -> Path
     torch.save(speakers, out_dir / SPEAKERS_FILE)
     (out_dir / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed}) + "\n")
     return out_dir
+
+
+def make_fixture(out_dir: Path, *, random_weights: str | None, seed: int = 0) -> Path:
+    """`omnistage fixture` (the registry's FamilyEntry.fixture): the tiny model with its
+    weights, or with random_weights "tiny" or "full" the configs only."""
+    if random_weights:
+        return write_random_model(out_dir, full_size=random_weights == "full", seed=seed)
+    return build_tiny_fixture(out_dir, seed=seed)

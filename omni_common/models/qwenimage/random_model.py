@@ -97,3 +97,11 @@ def _write_full_size_configs(out_dir: Path) -> None:
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     ).save_pretrained(out_dir / "text_encoder")
+
+
+def make_fixture(out_dir: Path, *, random_weights: str | None, seed: int = 0, head_dim: int = 16) -> Path:
+    """`omnistage fixture` (the registry's FamilyEntry.fixture): the tiny model with its
+    weights, or with random_weights "tiny" or "full" the configs only."""
+    if random_weights:
+        return write_random_model(out_dir, full_size=random_weights == "full", seed=seed)
+    return build_tiny_fixture(out_dir, seed=seed, head_dim=head_dim)

@@ -6,4 +6,9 @@ from __future__ import annotations
 
 from omni_common.models.registry import FamilyEntry
 
-ENTRY = FamilyEntry("chime", "tests.families.chime.family:ChimeFamily", pipeline_classes=("ChimePipeline",))
+ENTRY = FamilyEntry(
+    "chime",
+    "tests.families.chime.family:ChimeFamily",
+    pipeline_classes=("ChimePipeline",),
+    fixture="tests.families.chime.model:make_fixture",
+)

@@ -48,6 +48,13 @@ def build_tiny_fixture(out: Path, seed: int = 0) -> Path:
     return out
 
 
+def make_fixture(out: Path, *, random_weights: str | None, seed: int = 0) -> Path:
+    """`omnistage fixture --family chime` (FamilyEntry.fixture): a tiny model only."""
+    if random_weights:
+        raise ValueError("chime has no random-weights build")
+    return build_tiny_fixture(out, seed=seed)
+
+
 @torch.inference_mode()
 def encode(text_encoder: nn.Module, prompt: str, device: torch.device) -> torch.Tensor:
     """The prompt's embeddings [L, WIDTH] (an empty prompt reads one zero byte)."""

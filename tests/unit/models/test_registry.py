@@ -13,9 +13,11 @@ from omni_common.models.registry import (
     FAMILIES_ENV,
     family_for_model_dir,
     family_names,
+    fixture_maker,
     get_family,
     model_name_for_dir,
 )
+from omnistage_cli.main import main
 
 
 def test_get_family_by_name() -> None:
@@ -63,6 +65,20 @@ def test_a_family_outside_omnistage_is_registered_by_one_line(
     assert get_family("chime").name == "chime"
     assert family_for_model_dir(build_tiny_fixture(tmp_path / "chime-tiny")).name == "chime"
     assert family_names() == sorted(["qwenimage", "glm-image", "qwen2.5-omni", "chime"])
+
+
+def test_omnistage_fixture_builds_any_registered_family_from_its_registry_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(FAMILIES_ENV, "tests.families.chime:ENTRY")
+    assert main(["fixture", "--family", "chime", str(tmp_path / "chime-tiny"), "--seed", "2"]) == 0
+    assert family_for_model_dir(tmp_path / "chime-tiny").name == "chime"
+    assert main(["fixture", "--family", "glm-image", "--head-dim", "32", str(tmp_path / "glm")]) == 2
+    assert "--head-dim does not apply to glm-image" in capsys.readouterr().err
+    assert not (tmp_path / "glm").exists()
+    monkeypatch.delenv(FAMILIES_ENV)
+    with pytest.raises(NotFound, match="no offline fixture for model family 'chime'"):
+        fixture_maker("chime")
 
 
 @pytest.mark.parametrize(
