@@ -375,8 +375,8 @@ class Worker(LoraControl):
         return await self.compute(self.profiler.start, name)
 
     async def stop_profile(self) -> tuple[Path, float]:
-        """End the recording on the compute thread; its trace is written off it (the next
-        steps run while the file is written)."""
+        """End the recording's last segment on the compute thread; a process of its own joins
+        the segments into the trace while the next steps run (profiler.py)."""
         written, seconds = await self.compute(self.profiler.stop)
         return await asyncio.wrap_future(written), seconds
 

@@ -1,5 +1,7 @@
 """StageProfiler on CUDA (skipped without CUDA): segments that end between tasks keep every
-operator and its kernels, and a process that profiled the GPU exits cleanly."""
+operator and its kernels, and a process that profiled the GPU, a CUDA graph replaying in
+every segment, exits cleanly (torch notes CUPTI re-initialisation next to CUDA graphs
+crashed before CUDA 12.6)."""
 
 from __future__ import annotations
 
@@ -68,8 +70,12 @@ profiler = StageProfiler("dit-denoise", device, sys.argv[1], segment_s=0.0)
 compute = ThreadPoolExecutor(1)
 compute.submit(profiler.start, "").result()
 x = torch.randn(128, 128, device=device)
-for _ in range(3):
-    compute.submit(lambda: torch.mm(x, x).sum().item()).result()
+torch.mm(x, x)  # warm, then a CUDA graph replayed in every segment (CUPTI re-initialised)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    y = torch.mm(x, x)
+for _ in range(4):
+    compute.submit(lambda: (graph.replay(), torch.mm(x, x).sum().item())).result()
     compute.submit(profiler.after_task).result()
 written, _ = compute.submit(profiler.stop).result()
 print(written.result())
