@@ -23,7 +23,7 @@ import numpy as np
 
 from omni_common.audio import decode_audio, write_wav
 from omni_common.errors import OmniError
-from omni_common.media import AudioLike, ImageLike, input_media
+from omni_common.media import AudioLike, ImageLike, Video, input_media
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2
 
@@ -85,6 +85,7 @@ def chat_request(
     *,
     audio: bool | AudioLike | Sequence[AudioLike] = True,
     images: Sequence[ImageLike] = (),
+    video: Video | Sequence[Video] = (),
     speak: bool | None = None,
     speaker: str | None = None,
     model: str = "",
@@ -95,14 +96,14 @@ def chat_request(
     request_id: str = "",
     options: Mapping[str, object] | None = None,
 ) -> cpb.GenerateRequest:
-    """The GenerateRequest of one chat turn: `prompt` (one user turn, after the input clips and
-    images) or a conversation (`messages`: dicts of "role" and "content", a string or a list of
-    {"type": "text", "text": ...}, {"type": "audio", "audio": i}, {"type": "image", "image": i}
-    parts, i indexing `audio` / `images`).
+    """The GenerateRequest of one chat turn: `prompt` (one user turn, after the input clips,
+    images and videos) or a conversation (`messages`: dicts of "role" and "content", a string
+    or a list of {"type": "text", "text": ...}, {"type": "audio", "audio": i}, {"type": "image",
+    "image": i}, {"type": "video", "video": i} parts, i indexing `audio` / `images` / `video`).
 
     `audio`: input clips (a WAV or FLAC file's bytes or path, or (samples, rate)); a bool keeps
     its first meaning, whether the reply is spoken, which `speak` now says (options: the
-    model's others, e.g. talker sampling)."""
+    model's others, e.g. talker sampling). `video`: one Video (frames and fps) or several."""
     if audio_format not in AUDIO_FORMATS:
         raise ValueError(f"audio_format must be one of {sorted(AUDIO_FORMATS)}, not {audio_format!r}")
     clips: list[AudioLike] = []
@@ -129,7 +130,7 @@ def chat_request(
         params=params,
         request_id=request_id,
         audio_format=AUDIO_FORMATS[audio_format],
-        inputs=input_media(clips, images),
+        inputs=input_media(clips, images, [video] if isinstance(video, Video) else list(video)),
     )
 
 
@@ -148,8 +149,10 @@ def chat_message(message: Mapping[str, Any]) -> stage_pb2.ChatMessage:
             parts.append(stage_pb2.ChatPart(audio=int(part["audio"])))
         elif kind == "image":
             parts.append(stage_pb2.ChatPart(image=int(part["image"])))
+        elif kind == "video":
+            parts.append(stage_pb2.ChatPart(video=int(part["video"])))
         else:
-            raise ValueError(f"a message part must be text, audio or image, not {kind!r}")
+            raise ValueError(f"a message part must be text, audio, image or video, not {kind!r}")
     return stage_pb2.ChatMessage(role=message["role"], parts=parts)
 
 

@@ -12,7 +12,10 @@ paths or encoded bytes); family options as `options={"name": value}` (ListModels
         edited = client.generate("make the sky red", images=["photo.png"], model="glm-image")
 
 Models that write and speak (Qwen2.5-Omni) answer `chat` (text and audio as they stream; see
-omni_common.chat) and `speak` (the whole reply).
+omni_common.chat) and `speak` (the whole reply); they hear `audio=[...]`, see `images=[...]` and
+videos as frames, `video=Video(frames, fps)` or `Video.open("clip.gif")` (omni_common.media):
+
+        reply = client.speak("What happens here?", video=Video.open("clip.gif"))
 
 `AsyncClient` has the same methods as coroutines / async iterators. Failures raise the
 typed errors of omni_common.errors (InvalidArgument, NotFound, DeadlineExceeded, ...).
@@ -265,7 +268,7 @@ class Client(_Connection):
     ) -> Iterator[ChatPiece]:
         """The reply to `prompt` (or to a conversation's messages) as it streams: TextDelta and
         SpeechChunk pieces (kwargs as in omni_common.chat.chat_request: audio (input clips),
-        images, speak, speaker, model, seed, ...)."""
+        images, video, speak, speaker, model, seed, ...)."""
         builder = ReplyBuilder(time.perf_counter())
         for event in self.stream(chat_request(prompt, **kwargs), timeout):  # type: ignore[arg-type]
             piece = builder.add(event, time.perf_counter())

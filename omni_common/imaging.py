@@ -36,10 +36,11 @@ MAX_IMAGE_BYTES = 32 << 20
 MAX_IMAGE_SIDE = 4096
 
 
-def inspect_image(data: bytes, *, index: int = 0, max_pixels: int) -> ImageInput:
-    """What a request's `index`-th input image is, from its header; INVALID_ARGUMENT for a file
-    that is empty, too large, not an image of a known format, or of unusable size."""
-    label = f"input image {index}"
+def inspect_image(data: bytes, *, index: int = 0, max_pixels: int, label: str = "") -> ImageInput:
+    """What a request's `index`-th input image (or what `label` names: a video's frame) is,
+    from its header; INVALID_ARGUMENT for a file that is empty, too large, not an image of a
+    known format, or of unusable size."""
+    label = label or f"input image {index}"
     if not data:
         raise InvalidArgument(f"{label} is empty")
     if len(data) > MAX_IMAGE_BYTES:
@@ -89,8 +90,14 @@ def image_bytes(tensor: torch.Tensor) -> bytes:
 
 def decode_image(tensor: torch.Tensor, *, index: int = 0) -> Image.Image:
     """An input image tensor (file bytes) as an RGB PIL image."""
+    return decode_image_file(image_bytes(tensor), label=f"input image {index}")
+
+
+def decode_image_file(data: bytes, *, label: str) -> Image.Image:
+    """An image file's bytes as an RGB PIL image; INVALID_ARGUMENT naming `label` if they do
+    not decode."""
     try:
-        with Image.open(io.BytesIO(image_bytes(tensor)), formats=IMAGE_FORMATS) as image:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             return image.convert("RGB")
     except (Image.DecompressionBombError, Image.UnidentifiedImageError, OSError, ValueError, SyntaxError):
-        raise InvalidArgument(f"input image {index} could not be decoded") from None
+        raise InvalidArgument(f"{label} could not be decoded") from None

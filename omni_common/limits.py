@@ -18,3 +18,8 @@ MAX_OPTION_CHARS = 64
 # an adapter's default set by AddLora).
 MAX_LORAS = 8
 MAX_LORA_SCALE = 100.0
+# Input video (InputVideo): frames a clip, the rate they were taken at, and the pixels of all
+# its frames together (each frame is also held to the server's image pixel limit).
+MAX_VIDEO_FRAMES = 256
+MIN_VIDEO_FPS, MAX_VIDEO_FPS = 0.1, 60.0
+MAX_VIDEO_PIXELS = 64 * 1024 * 1024

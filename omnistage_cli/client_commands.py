@@ -66,6 +66,24 @@ def add_client_parsers(sub: Any) -> None:
     speak.add_argument(
         "--image", action="append", default=[], metavar="FILE", help="an image the model sees (repeatable)"
     )
+    speak.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a video the model sees (repeatable): an animated GIF, PNG or WebP, its frames at the rate "
+        "their durations give (no MP4: sample frames and pass them with --video-frames)",
+    )
+    speak.add_argument(
+        "--video-frames",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="one video as its frames, image files in order, taken --fps times a second",
+    )
+    speak.add_argument(
+        "--fps", type=float, default=2.0, help="the rate of --video-frames, frames a second (default 2)"
+    )
     _add_request_args(speak)
     speak.set_defaults(func=_speak)
 
@@ -125,17 +143,26 @@ def _speak(args: argparse.Namespace) -> int:
     """One chat turn of a speaking model: the reply's text, and its audio as a WAV file."""
     from omni_common.chat import ReplyBuilder, SpeechChunk, chat_request
     from omni_common.errors import OmniError
+    from omni_common.media import Video
 
     options = dict(_parse_option(item) for item in args.option)
-    request = chat_request(
-        args.prompt,
-        audio=[Path(path) for path in args.audio],
-        images=[Path(path) for path in args.image],
-        speaker=args.speaker,
-        model=args.model,
-        seed=args.seed,
-        options=options,
-    )
+    try:
+        videos = [Video.open(path) for path in args.video]
+        if args.video_frames:
+            videos.append(Video([Path(path) for path in args.video_frames], args.fps))
+        request = chat_request(
+            args.prompt,
+            audio=[Path(path) for path in args.audio],
+            images=[Path(path) for path in args.image],
+            video=videos,
+            speaker=args.speaker,
+            model=args.model,
+            seed=args.seed,
+            options=options,
+        )
+    except OSError as err:  # a file that cannot be read, or is no image
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     with _client(args, args.timeout) as client:
         try:
             if args.wait_ready:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from omni_common.errors import Unimplemented
-from omni_common.input_media import INPUT_PREFIX, AudioInput, ImageInput
+from omni_common.input_media import INPUT_PREFIX, AudioInput, ImageInput, VideoInput
 from omni_common.models.module_layout import ModuleDeclaration, SequenceParallelPlan
 from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGES
 
@@ -36,7 +36,8 @@ RunnerKind = Literal["batch", "steps", "async"]
 @dataclass(frozen=True)
 class ChatTurn:
     """One message of a conversation: its role and its parts in order, each ("text", the text),
-    ("audio", index) or ("image", index) (indices among the request's inputs of that kind)."""
+    ("audio", index), ("image", index) or ("video", index) (indices among the request's inputs
+    of that kind)."""
 
     role: str
     parts: tuple[tuple[str, str | int], ...]
@@ -59,6 +60,8 @@ class GenerationRequest:
     images: tuple[ImageInput, ...] = ()
     # The request's input audio clips, in order (as `input_audio_name(i)` tensors).
     audios: tuple[AudioInput, ...] = ()
+    # The request's input videos, in order (as `input_video_name(i)` tensors).
+    videos: tuple[VideoInput, ...] = ()
     # A conversation (chat families); empty: one user turn of the inputs, then `prompt`.
     messages: tuple[ChatTurn, ...] = ()
     # Family options (GenerationParams.options), checked by the family's `validate`.

@@ -26,12 +26,13 @@ from omni_common.models.base import ChatTurn, GenerationRequest, PrefixKeys
 
 def turns_of(request: GenerationRequest) -> tuple[ChatTurn, ...]:
     """The request's conversation: its messages, else one user turn of its media (audio clips,
-    then images) and its prompt."""
+    then images, then videos) and its prompt."""
     if request.messages:
         return request.messages
     parts: tuple[tuple[str, str | int], ...] = (
         *(("audio", i) for i in range(len(request.audios))),
         *(("image", i) for i in range(len(request.images))),
+        *(("video", i) for i in range(len(request.videos))),
         ("text", request.prompt),
     )
     return (ChatTurn("user", parts),)
@@ -55,6 +56,8 @@ def _content(request: GenerationRequest, kind: str, value: str | int) -> str:
         return request.audios[int(value)].digest
     if kind == "image":
         return request.images[int(value)].digest
+    if kind == "video":
+        return request.videos[int(value)].digest
     return str(value)
 
 

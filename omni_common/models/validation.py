@@ -197,11 +197,11 @@ def chat_turns(messages: Sequence[stage_pb2.ChatMessage]) -> tuple[ChatTurn, ...
 
 
 def check_media_parts(request: GenerationRequest) -> None:
-    """With messages, each input audio clip and image is shown by exactly one part."""
+    """With messages, each input audio clip, image and video is shown by exactly one part."""
     if not request.messages:
         return
-    counts = {"audio": len(request.audios), "image": len(request.images)}
-    shown: dict[str, list[int]] = {"audio": [], "image": []}
+    counts = {"audio": len(request.audios), "image": len(request.images), "video": len(request.videos)}
+    shown: dict[str, list[int]] = {kind: [] for kind in counts}
     for turn in request.messages:
         for kind, value in turn.parts:
             if kind in shown:

@@ -36,6 +36,7 @@ from omni_common.runtime.serve import advertised_address, serve
 from omni_common.runtime.stage_control import ControlledWorker, StageControlServicer
 from omni_common.runtime.step_scheduler import StepTotals
 from omni_common.transport import Consumer, TensorTransport, add_tensor_store, gpu_uuid, ipc_namespace
+from omni_common.video_input import input_videos
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger("omnistage.stage")
@@ -208,10 +209,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         return to_request(request.params, max_pixels=self.max_pixels)
 
     def _with_images(self, gen: GenerationRequest, tensors: dict[str, torch.Tensor]) -> GenerationRequest:
-        """`gen` with the input images and audio clips this call carries, checked like the coordinator checks
-        them (a stage may be called directly), then the family's validation."""
+        """`gen` with the input images, audio clips and videos this call carries, checked like the
+        coordinator checks them (a stage may be called directly), then the family's validation."""
         gen = replace(
-            gen, images=input_images(tensors, max_pixels=self.max_pixels), audios=input_audios(tensors)
+            gen,
+            images=input_images(tensors, max_pixels=self.max_pixels),
+            audios=input_audios(tensors),
+            videos=input_videos(tensors, max_pixels=self.max_pixels),
         )
         self.worker.validate(gen)
         return gen

@@ -57,12 +57,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., request_id: _Optional[str] = ..., return_tensor: _Optional[bool] = ..., progress_every: _Optional[int] = ..., image_format: _Optional[_Union[ImageFormat, str]] = ..., preview_every: _Optional[int] = ..., inputs: _Optional[_Iterable[_Union[InputMedia, _Mapping]]] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ...) -> None: ...
 
 class InputMedia(_message.Message):
-    __slots__ = ("image", "audio")
+    __slots__ = ("image", "audio", "video")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     audio: InputAudio
-    def __init__(self, image: _Optional[bytes] = ..., audio: _Optional[_Union[InputAudio, _Mapping]] = ...) -> None: ...
+    video: InputVideo
+    def __init__(self, image: _Optional[bytes] = ..., audio: _Optional[_Union[InputAudio, _Mapping]] = ..., video: _Optional[_Union[InputVideo, _Mapping]] = ...) -> None: ...
+
+class InputVideo(_message.Message):
+    __slots__ = ("frames", "fps")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedScalarFieldContainer[bytes]
+    fps: float
+    def __init__(self, frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class InputAudio(_message.Message):
     __slots__ = ("data", "format", "sample_rate")

@@ -51,14 +51,16 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ChatPart, _Mapping]]] = ...) -> None: ...
 
 class ChatPart(_message.Message):
-    __slots__ = ("text", "audio", "image")
+    __slots__ = ("text", "audio", "image", "video")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     text: str
     audio: int
     image: int
-    def __init__(self, text: _Optional[str] = ..., audio: _Optional[int] = ..., image: _Optional[int] = ...) -> None: ...
+    video: int
+    def __init__(self, text: _Optional[str] = ..., audio: _Optional[int] = ..., image: _Optional[int] = ..., video: _Optional[int] = ...) -> None: ...
 
 class LoraRef(_message.Message):
     __slots__ = ("name", "scale")

@@ -28,7 +28,7 @@ from omni_common.errors import (
     abort,
 )
 from omni_common.imaging import inspect_image
-from omni_common.input_media import INPUT_PREFIX, input_audio_name, input_image_name
+from omni_common.input_media import INPUT_PREFIX, input_audio_name, input_image_name, input_video_name
 from omni_common.models.base import Plan
 from omni_common.models.registry import find_family
 from omni_common.models.validation import (
@@ -46,6 +46,7 @@ from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.metrics import CoordinatorMetrics
 from omni_common.runtime.serve import advertised_address, run, serve
 from omni_common.transport import TensorTransport, add_tensor_store
+from omni_common.video_input import canonical_video, inspect_video
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import coordinator_pb2_grpc, stage_pb2
 from services.coordinator.affinity import PrefixRoutes
@@ -148,22 +149,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         audios = tuple(inspect_audio(data, index=i) for i, data in enumerate(audio_files))
         if audios and "audio" not in family.card.inputs:
             raise InvalidArgument(f"model {model!r} takes no audio input; got {len(audios)} clips")
+        video_files = [data for name, data in media.items() if name.startswith(INPUT_PREFIX + "video.")]
+        videos = tuple(
+            inspect_video(data, index=i, max_pixels=self.max_pixels) for i, data in enumerate(video_files)
+        )
+        if videos and "video" not in family.card.inputs:
+            raise InvalidArgument(f"model {model!r} takes no video input; got {len(videos)} videos")
         if len(images) > family.card.max_images:
             allowed = f"at most {family.card.max_images}" if family.card.max_images else "no"
             raise InvalidArgument(f"model {model!r} takes {allowed} input images; got {len(images)}")
-        gen = replace(to_request(params, max_pixels=self.max_pixels, images=images), audios=audios)
+        gen = replace(
+            to_request(params, max_pixels=self.max_pixels, images=images), audios=audios, videos=videos
+        )
         check_options(dict(gen.options), family.card.options, family.name)
         check_media_parts(gen)
         check_takes_loras(gen, family.card, family.name)
         family.validate(gen)
         return Accepted(request_id, params, family.plan(gen), media)
 
-    @staticmethod
-    def _media(request: cpb.GenerateRequest) -> dict[str, bytes]:
-        """The request's input images and audio clips (raw PCM wrapped as WAV) by the tensor
-        name plan steps consume them under."""
+    def _media(self, request: cpb.GenerateRequest) -> dict[str, bytes]:
+        """The request's input images, audio clips (raw PCM wrapped as WAV) and videos
+        (re-serialized; `_accept` checks them) by the tensor name plan steps consume them under."""
         media: dict[str, bytes] = {}
-        images = audios = 0
+        images = audios = videos = 0
         for i, item in enumerate(request.inputs):
             kind = item.WhichOneof("media")
             if kind == "image":
@@ -172,8 +180,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             elif kind == "audio":
                 media[input_audio_name(audios)] = canonical_audio(item.audio, index=audios)
                 audios += 1
+            elif kind == "video":
+                media[input_video_name(videos)] = canonical_video(item.video)
+                videos += 1
             else:
-                raise InvalidArgument(f"input {i} carries no image or audio")
+                raise InvalidArgument(f"input {i} carries no image, audio or video")
         total = sum(len(data) for data in media.values())
         if total > MAX_MEDIA_BYTES:
             raise InvalidArgument(f"input media are {total} bytes in all; the limit is {MAX_MEDIA_BYTES}")

@@ -26,6 +26,7 @@ from omni_common.chat import Reply, ReplyBuilder, chat_request
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan, stage_process
 from omni_common.errors import OmniError
+from omni_common.media import Video
 from omni_common.models.qwen_omni.reference import reference_generate
 from omnistage.v1 import coordinator_pb2 as cpb
 from tests.conftest import assert_no_segment_added, omnistage_segments
@@ -76,16 +77,31 @@ def clip_and_picture() -> tuple[bytes, bytes]:
     return wav_bytes(np.round(tone * 32767).astype(np.int16), 16_000), buffer.getvalue()
 
 
-@pytest.mark.parametrize("media", ["audio", "image"])
+def mirrored(picture: bytes) -> bytes:
+    """The PNG `picture` flipped left to right: a second frame unlike the first."""
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(picture)).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("media", ["audio", "image", "video"])
 def test_a_reply_to_text_and_media_equals_the_processor_and_generate_bitwise(
     omni_cluster: str, omni_model: Path, media: str
 ) -> None:
     clip, picture = clip_and_picture()
-    audios, images = ([clip], []) if media == "audio" else ([], [picture])
+    audios = [clip] if media == "audio" else []
+    images = [picture] if media == "image" else []
+    videos = [([picture, mirrored(picture), picture], 2.0)] if media == "video" else []
     options = {"max_new_tokens": 16, "talker_max_new_tokens": 60}
     with Client(omni_cluster) as client:
         reply = client.speak(
-            PROMPT, audio=audios, images=images, seed=11, stream_audio=False, options=options
+            PROMPT,
+            audio=audios,
+            images=images,
+            video=[Video(f, fps) for f, fps in videos],
+            seed=11,
+            stream_audio=False,
+            options=options,
         )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -95,6 +111,7 @@ def test_a_reply_to_text_and_media_equals_the_processor_and_generate_bitwise(
             PROMPT,
             audios=audios,
             images=images,
+            videos=videos,
             seed=11,
             thinker_max_new_tokens=16,
             talker_max_new_tokens=60,

@@ -178,6 +178,6 @@ def test_an_unknown_voice_is_400_about_voice_from_the_thinkers_check(gateway) ->
 
 def test_models_say_what_they_take_and_return(gateway) -> None:
     (model,) = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
-    assert model["outputs"] == ["text", "audio"] and model["inputs"] == ["text", "audio", "image"]
+    assert model["outputs"] == ["text", "audio"] and model["inputs"] == ["text", "audio", "image", "video"]
     assert model["endpoints"] == ["/v1/chat/completions", "/v1/audio/speech"]
     assert "speaker" in {option["name"] for option in model["options"]}

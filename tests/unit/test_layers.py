@@ -67,6 +67,7 @@ GROUND = (
     "media",
     "protogen",
     "stages",
+    "video_input",
 )
 ABOVE_THE_LAYERS = ("certs", "chat", "client", "cluster", "health")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omni_common.errors import InvalidArgument
-from omni_common.input_media import input_audio_name, input_image_name
+from omni_common.input_media import input_audio_name, input_image_name, input_video_name
 from omni_common.models.base import (
     GenerationRequest,
     ModelCard,
@@ -37,11 +37,13 @@ from omni_common.models.validation import check_options
 
 # What the thinker hears: Whisper's feature extractor at 16 kHz (nothing is resampled), at most
 # its window (the real processor's chunk_length, 300 s; a checkpoint's own may be shorter, which
-# the thinker checks), a few clips and images a request.
+# the thinker checks), a few clips, images and videos a request (each video's frames within the
+# server's limits, omni_common/limits.py).
 INPUT_SAMPLE_RATE = 16_000
 MAX_AUDIO_SECONDS = 300
 MAX_AUDIOS = 8
 MAX_IMAGES = 8
+MAX_VIDEOS = 4
 
 ROLES = (
     RoleSpec(
@@ -64,7 +66,7 @@ class QwenOmniFamily:
 
     name = "qwen2.5-omni"
     card = ModelCard(
-        inputs=("text", "audio", "image"),
+        inputs=("text", "audio", "image", "video"),
         max_images=MAX_IMAGES,
         outputs=("text", "audio"),
         options=OPTIONS,
@@ -80,6 +82,8 @@ class QwenOmniFamily:
         if request.negative_prompt:
             raise InvalidArgument(f"{self.name} takes no negative prompt")
         self._check_audios(request)
+        if len(request.videos) > MAX_VIDEOS:
+            raise InvalidArgument(f"{self.name} takes at most {MAX_VIDEOS} videos; got {len(request.videos)}")
         if request.messages and request.messages[-1].role == "assistant":
             raise InvalidArgument("the conversation must not end with an assistant message: the reply is")
         if request.num_inference_steps < 2:
@@ -108,6 +112,7 @@ class QwenOmniFamily:
         media = (
             *(input_audio_name(i) for i in range(len(request.audios))),
             *(input_image_name(i) for i in range(len(request.images))),
+            *(input_video_name(i) for i in range(len(request.videos))),
         )
         thinker = PlanStep(
             "thinker",

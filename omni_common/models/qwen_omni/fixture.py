@@ -86,13 +86,14 @@ SPECIAL_TOKENS = [
     *(f"<|spk_{name.lower()}|>" for name in SPEAKERS),
 ]
 # Qwen2.5-Omni's template without its default system prompt: a string content as it is, a list
-# of parts with each audio clip and image as its placeholder between its markers.
+# of parts with each audio clip, image and video as its placeholder between its markers.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
     "{% elif part['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif part['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -1,17 +1,18 @@
 """What the thinker reads of a request: its conversation rendered by the chat template, and its
-audio clips and images turned into model inputs by transformers' own `Qwen2_5OmniProcessor`
-(Whisper's feature extractor, the Qwen2-VL image processor), exactly as a transformers user
-runs it before `generate`.
+audio clips, images and videos turned into model inputs by transformers' own
+`Qwen2_5OmniProcessor` (Whisper's feature extractor, the Qwen2-VL image processor, and the
+Qwen2-VL video recipe), exactly as a transformers user runs it before `generate`.
 
-Built offline from configs: the checkpoint's preprocessor_config.json (one file holding both
-parts' settings, as the published checkpoint has it) and its tokenizer; nothing downloads.
+Built offline from configs: the checkpoint's preprocessor_config.json (one file holding every
+part's settings, as the published checkpoint has it) and its tokenizer; nothing downloads.
 Two choices, both so that every machine computes the same inputs:
 - the image processor is the PIL backend (`Qwen2VLImageProcessorPil`) whether or not torchvision
   is installed (transformers picks the torchvision one when it is, which resizes differently);
-- no video processor: omnistage takes no video, and transformers' video processor class needs
-  torchvision. `NoVideo` stands in its place: it has the sizes that transformers' processor reads
-  of it even for a call without video (5.19 reads `merge_size` on every call), and refuses
-  frames; `NoVideoProcessor` lets it pass the processor's class check.
+- the video processor is `FrameProcessor` (video_processor.py): the Qwen2-VL video processor's
+  recipe on the PIL image processor's operations, as transformers' own needs torchvision;
+  `OmniProcessor` lets it pass the processor's class check. A video is the frames a client
+  sent and their rate (no container decoding): the rate sets `video_second_per_grid`, one per
+  video (transformers' processor takes one rate a call).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from omni_common.audio_input import audio_file_bytes, decode_audio_file
 from omni_common.errors import InvalidArgument
 from omni_common.imaging import decode_image
-from omni_common.input_media import input_audio_name, input_image_name
+from omni_common.input_media import input_audio_name, input_image_name, input_video_name
 from omni_common.models.base import GenerationRequest
 from omni_common.models.conversation_keys import turns_of
 from omni_common.models.prefix_cache import prefix_key
+from omni_common.models.qwen_omni.video_processor import FrameProcessor
+from omni_common.video_input import decode_video, video_bytes
 
 # The tokenizer's named media tokens (tokenizer_config.json's extra_special_tokens), which the
 # processor expands into one placeholder per audio frame group or image patch group.
@@ -68,32 +71,27 @@ IMAGE_PROCESSOR: dict[str, Any] = {
     "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
 # The model inputs the processor makes besides the ids, as the thinker's forward names them.
-MEDIA_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
+MEDIA_INPUTS = (
+    "input_features",
+    "feature_attention_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
 
 
-class NoVideo:
-    """The video part's stand-in (see the module docstring): the image processor's patch sizes,
-    no model inputs, and a clear refusal of frames."""
-
-    def __init__(self, images: Qwen2VLImageProcessorPil) -> None:
-        self.model_input_names: list[str] = []
-        self.merge_size = images.merge_size
-        self.temporal_patch_size = images.temporal_patch_size
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise InvalidArgument("Qwen2.5-Omni in omnistage takes audio and images, not video")
-
-
-class NoVideoProcessor(Qwen2_5OmniProcessor):
-    """transformers' processor with `NoVideo` as its video part (see the module docstring)."""
+class OmniProcessor(Qwen2_5OmniProcessor):
+    """transformers' processor with `FrameProcessor` as its video part (see the module docstring)."""
 
     def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-        if isinstance(argument, NoVideo):
+        if isinstance(argument, FrameProcessor):
             return None
         return super().check_argument_for_proper_class(argument_name, argument)
 
     def to_dict(self) -> dict[str, Any]:
-        """transformers' serialisation (for printing and saving) without the stand-in."""
+        """transformers' serialisation (for printing and saving); the video part's settings are
+        the image part's."""
         settings = super().to_dict()
         settings.pop("video_processor", None)
         return settings
@@ -106,7 +104,7 @@ def preprocessor_config(chunk_length: int = 300) -> dict[str, Any]:
     return {**extractor.to_dict(), **images.to_dict(), "processor_class": "Qwen2_5OmniProcessor"}
 
 
-def load_processor(model_dir: Path) -> NoVideoProcessor:
+def load_processor(model_dir: Path) -> OmniProcessor:
     """The checkpoint's processor (its tokenizer with the media tokens named); a checkpoint
     without preprocessor_config.json (built before it was written) gets the published settings."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, extra_special_tokens=MEDIA_TOKENS)
@@ -118,9 +116,9 @@ def load_processor(model_dir: Path) -> NoVideoProcessor:
             Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR),
             WhisperFeatureExtractor(**FEATURE_EXTRACTOR),
         )
-    return NoVideoProcessor(
+    return OmniProcessor(
         image_processor=images,
-        video_processor=NoVideo(images),
+        video_processor=FrameProcessor(images),
         feature_extractor=extractor,
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
@@ -129,7 +127,7 @@ def load_processor(model_dir: Path) -> NoVideoProcessor:
 
 def conversation(request: GenerationRequest) -> list[dict[str, Any]]:
     """The request as chat-template messages: its own, else one user turn of its media (audio
-    clips, then images) and its prompt. A text-only turn keeps a plain string content, which
+    clips, images, then videos) and its prompt. A text-only turn keeps a plain string content, which
     every template renders as it always did."""
     turns = turns_of(request)
     messages: list[dict[str, Any]] = []
@@ -157,25 +155,49 @@ def media_order(messages: Sequence[Mapping[str, Any]], kind: str) -> list[int]:
 
 
 def process(
-    processor: NoVideoProcessor, request: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+    processor: OmniProcessor, request: GenerationRequest, tensors: Mapping[str, torch.Tensor]
 ) -> BatchFeature:
     """The thinker's inputs for `request` (input ids [1, L], attention mask and, with media,
-    `MEDIA_INPUTS`), from its media tensors (`input.audio.i`, `input.image.i`)."""
+    `MEDIA_INPUTS` and `video_second_per_grid`), from its media tensors (`input.audio.i`,
+    `input.image.i`, `input.video.i`)."""
     messages = conversation(request)
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     shown = [input_audio_name(i) for i in media_order(messages, "audio")]
     shown += [input_image_name(i) for i in media_order(messages, "image")]
+    shown += [input_video_name(i) for i in media_order(messages, "video")]
     missing = [name for name in shown if name not in tensors]
     if missing:  # the coordinator checks this; a stage called directly may be sent anything
         raise InvalidArgument(f"the messages show {missing[0]}, which the call does not carry")
     audios = [_audio(processor, tensors, i) for i in media_order(messages, "audio")]
     images = [decode_image(tensors[input_image_name(i)], index=i) for i in media_order(messages, "image")]
-    return processor(
-        text=[text], audio=audios or None, images=images or None, return_tensors="pt", padding=True
+    videos = [
+        decode_video(video_bytes(tensors[input_video_name(i)]), index=i)
+        for i in media_order(messages, "video")
+    ]
+    return _with_rates(
+        processor(
+            text=[text],
+            audio=audios or None,
+            images=images or None,
+            videos=[frames for frames, _ in videos] or None,
+            return_tensors="pt",
+            padding=True,
+        ),
+        processor,
+        [fps for _, fps in videos],
     )
 
 
-def _audio(processor: NoVideoProcessor, tensors: Mapping[str, torch.Tensor], index: int) -> np.ndarray:
+def _with_rates(batch: BatchFeature, processor: OmniProcessor, rates: Sequence[float]) -> BatchFeature:
+    """`batch` with each video's seconds per temporal patch from its own rate, as transformers'
+    processor computes it from a call's one `fps` (float32, temporal_patch_size / fps)."""
+    if rates:
+        patch = processor.video_processor.temporal_patch_size
+        batch["video_second_per_grid"] = torch.tensor([patch / fps for fps in rates])
+    return batch
+
+
+def _audio(processor: OmniProcessor, tensors: Mapping[str, torch.Tensor], index: int) -> np.ndarray:
     samples, _ = decode_audio_file(audio_file_bytes(tensors[input_audio_name(index)]), index=index)
     extractor: Any = processor.feature_extractor
     if len(samples) > extractor.n_samples:
@@ -187,18 +209,33 @@ def _audio(processor: NoVideoProcessor, tensors: Mapping[str, torch.Tensor], ind
 
 
 def reference_inputs(
-    processor: NoVideoProcessor,
+    processor: OmniProcessor,
     messages: list[dict[str, Any]],
     audios: Sequence[bytes] = (),
     images: Sequence[bytes] = (),
+    videos: Sequence[tuple[Sequence[bytes], float]] = (),
 ) -> BatchFeature:
     """What a transformers user passes to `generate`: `messages` (content parts name their input
-    by index, as `conversation` makes them) with the clips (WAV files) and images (image files)."""
+    by index, as `conversation` makes them) with the clips (WAV files), images (image files) and
+    videos (each its frames' image files and its fps; one fps for all, as the processor takes)."""
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     clips = [decode_audio_file(audios[i], index=i)[0] for i in media_order(messages, "audio")]
     pictures = [Image.open(io.BytesIO(images[i])).convert("RGB") for i in media_order(messages, "image")]
+    shown = [videos[i] for i in media_order(messages, "video")]
+    clips_of_frames = [
+        [Image.open(io.BytesIO(frame)).convert("RGB") for frame in frames] for frames, _ in shown
+    ]
+    rates = {fps for _, fps in shown}
+    if len(rates) > 1:
+        raise ValueError("transformers' processor takes one fps a call; these videos have several")
     return processor(
-        text=[text], audio=clips or None, images=pictures or None, return_tensors="pt", padding=True
+        text=[text],
+        audio=clips or None,
+        images=pictures or None,
+        videos=clips_of_frames or None,
+        videos_kwargs={"fps": rates.pop()} if rates else {},
+        return_tensors="pt",
+        padding=True,
     )
 
 
@@ -206,23 +243,24 @@ def reference_inputs(
 class ThinkerPrompt:
     """One request's prompt as the thinker's prefill reads it: its ids [1, L], its positions
     [4, 1, L] (a text row, then the mrope rows of `get_rope_index`, as `generate` builds them),
-    the offset of decode positions past it (negative after images: a picture's tokens take
-    fewer positions than tokens), its media inputs and, in the order the text shows them, its
-    media's content addresses (the prefix cache's keys name the media a prefix holds)."""
+    the offset of decode positions past it (negative after images and videos: their tokens take
+    fewer positions than tokens), its media inputs and, per kind in the order the text shows
+    them, its media's content addresses (the prefix cache's keys name the media a prefix holds)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     rope_delta: int
     media: dict[str, torch.Tensor]
-    audio_digests: tuple[str, ...]
-    image_digests: tuple[str, ...]
-    markers: tuple[int, int]  # the ids that open an audio clip's and an image's placeholders
+    digests: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]  # audio clips, images, videos
+    # The ids that open an audio clip's and a picture's placeholders, then an image's and a
+    # video's placeholder (a picture's second token says which it is).
+    markers: tuple[int, int, int, int]
     ids_on_host: torch.Tensor  # input_ids[0] on the CPU, for keys
 
     @classmethod
     def of(
         cls,
-        processor: NoVideoProcessor,
+        processor: OmniProcessor,
         model: Any,
         request: GenerationRequest,
         tensors: Mapping[str, torch.Tensor],
@@ -237,22 +275,30 @@ class ThinkerPrompt:
         rope, deltas = model.get_rope_index(
             input_ids,
             media.get("image_grid_thw"),
-            None,
+            media.get("video_grid_thw"),
             mask,
             False,
             None if audio_mask is None else audio_mask.sum(-1),
-            None,
+            batch.get("video_second_per_grid"),
         )
         text = torch.arange(input_ids.shape[1], device=device).view(1, 1, -1)
         tokenizer: Any = processor.tokenizer
+        kinds = (("audio", request.audios), ("image", request.images), ("video", request.videos))
+        audio, image, video = (
+            tuple(inputs[i].digest for i in media_order(messages, kind)) for kind, inputs in kinds
+        )
         return cls(
             input_ids=input_ids,
             positions=torch.cat([text, rope.to(device)]),
             rope_delta=int(deltas.view(-1)[0]),
             media=media,
-            audio_digests=tuple(request.audios[i].digest for i in media_order(messages, "audio")),
-            image_digests=tuple(request.images[i].digest for i in media_order(messages, "image")),
-            markers=(tokenizer.audio_bos_token_id, tokenizer.vision_bos_token_id),
+            digests=(audio, image, video),
+            markers=(
+                tokenizer.audio_bos_token_id,
+                tokenizer.vision_bos_token_id,
+                tokenizer.image_token_id,
+                tokenizer.video_token_id,
+            ),
             ids_on_host=input_ids[0].cpu(),
         )
 
@@ -260,22 +306,31 @@ class ThinkerPrompt:
     def length(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def _media_before(self, length: int) -> tuple[int, int]:
-        """How many audio clips and images open in the first `length` tokens."""
+    @property
+    def media_digests(self) -> tuple[str, ...]:
+        """Every medium's content address: the audio clips', then the images', then the videos'."""
+        return tuple(digest for kind in self.digests for digest in kind)
+
+    def _media_before(self, length: int) -> tuple[int, int, int]:
+        """How many audio clips, images and videos open in the first `length` tokens."""
+        audio_bos, vision_bos, image, video = self.markers
         head = self.ids_on_host[:length]
-        return int((head == self.markers[0]).sum()), int((head == self.markers[1]).sum())
+        opened = (head == vision_bos).nonzero().view(-1) + 1  # a picture's first placeholder
+        pictures = self.ids_on_host[opened]
+        return int((head == audio_bos).sum()), int((pictures == image).sum()), int((pictures == video).sum())
 
     def key(self, length: int) -> str:
         """The content address of the first `length` tokens and the media in them."""
-        audios, images = self._media_before(length)
+        counts = self._media_before(length)
         return prefix_key(
-            self.ids_on_host[:length], (*self.audio_digests[:audios], *self.image_digests[:images])
+            self.ids_on_host[:length],
+            tuple(d for kind, n in zip(self.digests, counts, strict=True) for d in kind[:n]),
         )
 
     def media_after(self, start: int) -> dict[str, torch.Tensor]:
-        """The media inputs of the clips and images that open at or after token `start` (those
-        before it are in a reused prefix's cache already)."""
-        audios, images = self._media_before(start)
+        """The media inputs of the clips, images and videos that open at or after token `start`
+        (those before it are in a reused prefix's cache already)."""
+        audios, images, videos = self._media_before(start)
         media = dict(self.media)
         if "input_features" in media:
             if audios >= media["input_features"].shape[0]:
@@ -283,12 +338,16 @@ class ThinkerPrompt:
             else:
                 media["input_features"] = media["input_features"][audios:]
                 media["feature_attention_mask"] = media["feature_attention_mask"][audios:]
-        if "pixel_values" in media:
-            grids = media["image_grid_thw"]
-            if images >= grids.shape[0]:
-                del media["pixel_values"], media["image_grid_thw"]
-            else:
-                skipped = int(grids[:images].prod(dim=-1).sum())
-                media["pixel_values"] = media["pixel_values"][skipped:]
-                media["image_grid_thw"] = grids[images:]
+        for pixels, grid, skip in (
+            ("pixel_values", "image_grid_thw", images),
+            ("pixel_values_videos", "video_grid_thw", videos),
+        ):
+            if pixels in media:
+                grids = media[grid]
+                if skip >= grids.shape[0]:
+                    del media[pixels], media[grid]
+                else:
+                    skipped = int(grids[:skip].prod(dim=-1).sum())
+                    media[pixels] = media[pixels][skipped:]
+                    media[grid] = grids[skip:]
         return media

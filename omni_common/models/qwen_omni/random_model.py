@@ -27,6 +27,7 @@ from omni_common.models.qwen_omni.fixture import (
     build_tiny_fixture,
     build_tokenizer,
 )
+from omni_common.models.qwen_omni.processor import preprocessor_config
 from omni_common.models.weights import RANDOM_WEIGHTS_FILE
 
 
@@ -55,6 +56,8 @@ def write_random_model(out_dir: Path, *, full_size: bool, seed: int = 0) -> Path
     config: Any = full_size_config(tokenizer) if full_size else build_config(tokenizer)
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # The processor's settings: the published ones (audio, images and video frames).
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     width = config.token2wav_config.dit_config.enc_emb_dim
     speakers = {}
     for index, name in enumerate(SPEAKERS):

@@ -67,13 +67,14 @@ def load_model(
     return Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def one_turn(prompt: str, audios: int = 0, images: int = 0) -> list[dict[str, Any]]:
-    """A user turn of `audios` clips, `images` images, then `prompt` (a plain string without
-    media), as chat-template messages whose media parts name their input by index."""
-    if not audios and not images:
+def one_turn(prompt: str, audios: int = 0, images: int = 0, videos: int = 0) -> list[dict[str, Any]]:
+    """A user turn of `audios` clips, `images` images, `videos` videos, then `prompt` (a plain
+    string without media), as chat-template messages whose media parts name their input by index."""
+    if not audios and not images and not videos:
         return [{"role": "user", "content": prompt}]
     parts: list[dict[str, Any]] = [{"type": "audio", "audio": i} for i in range(audios)]
     parts += [{"type": "image", "image": i} for i in range(images)]
+    parts += [{"type": "video", "video": i} for i in range(videos)]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": prompt}]}]
 
 
@@ -85,6 +86,7 @@ def reference_generate(
     messages: list[dict[str, Any]] | None = None,
     audios: Sequence[bytes] = (),
     images: Sequence[bytes] = (),
+    videos: Sequence[tuple[Sequence[bytes], float]] = (),
     speaker: str = "Chelsie",
     seed: int = 0,
     thinker_do_sample: bool = False,
@@ -93,16 +95,16 @@ def reference_generate(
     talker_max_new_tokens: int = 4096,
     dtype: torch.dtype = torch.float32,
 ) -> ReferenceResult:
-    """Text and speech for `prompt` (one user turn after its `audios` (WAV files) and `images`
-    (image files)) or for the conversation `messages`, from transformers' processor and one-shot
-    `generate`, each sub-model seeded with `seed`. The token caps default to `generate`'s own; a
-    random checkpoint (the test fixture) needs `talker_max_new_tokens` set, its talker rarely
-    emitting an eos."""
+    """Text and speech for `prompt` (one user turn after its `audios` (WAV files), `images`
+    (image files) and `videos` (frames' image files, fps)) or for the conversation `messages`,
+    from transformers' processor and one-shot `generate`, each sub-model seeded with `seed`. The
+    token caps default to `generate`'s own; a random checkpoint (the test fixture) needs
+    `talker_max_new_tokens` set, its talker rarely emitting an eos."""
     processor = load_processor(Path(model_dir))
     tokenizer: Any = processor.tokenizer
     model: Any = load_model(model_dir, dtype)  # Any: its methods are replaced below
-    turns = messages if messages is not None else one_turn(prompt, len(audios), len(images))
-    inputs = reference_inputs(processor, turns, audios, images).to(model.device)
+    turns = messages if messages is not None else one_turn(prompt, len(audios), len(images), len(videos))
+    inputs = reference_inputs(processor, turns, audios, images, videos).to(model.device)
     input_ids = inputs["input_ids"]
 
     talker_codes: list[torch.Tensor] = []
@@ -118,11 +120,12 @@ def reference_generate(
     model.talker.generate = _reseeded(recording_talker_generate, seed)
     model.token2wav.forward = _reseeded(model.token2wav.forward, seed)
 
-    # Image pixels go to the thinker only: unprefixed, generate passes them to the talker too,
+    # Image and video pixels go to the thinker only: unprefixed, generate passes them to the talker too,
     # whose generate refuses them (transformers 5.24); the grid stays shared (both use it).
     model_inputs = dict(inputs)
-    if "pixel_values" in model_inputs:
-        model_inputs["thinker_pixel_values"] = model_inputs.pop("pixel_values")
+    for pixels in ("pixel_values", "pixel_values_videos"):
+        if pixels in model_inputs:
+            model_inputs[f"thinker_{pixels}"] = model_inputs.pop(pixels)
     sequences, waveform = model.generate(
         **model_inputs,
         generation_mode="audio",

@@ -43,7 +43,7 @@ from omni_common.models.prefix_cache import (
 )
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.options import option_int, speaker_of
-from omni_common.models.qwen_omni.processor import NoVideoProcessor, ThinkerPrompt, load_processor
+from omni_common.models.qwen_omni.processor import OmniProcessor, ThinkerPrompt, load_processor
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64
@@ -70,7 +70,7 @@ class Thinker(SlotGenerator):
     def __init__(
         self,
         model: Qwen2_5OmniThinkerForConditionalGeneration,
-        processor: NoVideoProcessor,
+        processor: OmniProcessor,
         speakers: dict[str, dict[str, Any]],
         talker_text_ids: tuple[int, int],
         device: torch.device,
@@ -343,7 +343,7 @@ class Thinker(SlotGenerator):
             if rows.shape[0] != fed:
                 return  # rows not all made yet: the prompt's entry still serves
         keys, values = self.slots.read(state.slot)
-        key = prefix_key(state.sequence[0, :fed], (*state.prompt.audio_digests, *state.prompt.image_digests))
+        key = prefix_key(state.sequence[0, :fed], state.prompt.media_digests)
         self.prefixes.put(key, PrefixEntry(fed, keys, values, rows))
 
 

@@ -4,7 +4,7 @@ is gone or much busier, and it stays bounded."""
 
 from __future__ import annotations
 
-from omni_common.input_media import AudioInput
+from omni_common.input_media import AudioInput, VideoInput
 from omni_common.models.base import ChatTurn, GenerationRequest, PrefixKeys
 from omni_common.models.conversation_keys import prefix_keys
 from omnistage.v1 import stage_pb2
@@ -13,6 +13,8 @@ from services.coordinator.registry import PREFER_SLACK, Replica, ReplicaPool
 
 CLIP = AudioInput(sample_rate=16_000, frames=16_000, digest="a" * 64)
 OTHER_CLIP = AudioInput(sample_rate=16_000, frames=16_000, digest="b" * 64)
+VIDEO = VideoInput(frames=4, width=56, height=56, fps=2.0, digest="c" * 64)
+OTHER_VIDEO = VideoInput(frames=4, width=56, height=56, fps=2.0, digest="d" * 64)
 
 
 def turns(*texts: str) -> tuple[ChatTurn, ...]:
@@ -39,6 +41,9 @@ def test_a_key_names_the_media_by_content() -> None:
     assert prefix_keys(GenerationRequest(prompt="hi", audios=(OTHER_CLIP,))).leaves != heard.leaves
     split = GenerationRequest(prompt="", messages=(ChatTurn("user", (("text", "h"), ("text", "i"))),))
     assert prefix_keys(split).leaves == prefix_keys(GenerationRequest(prompt="hi")).leaves
+    seen = prefix_keys(GenerationRequest(prompt="hi", videos=(VIDEO,)))
+    assert prefix_keys(GenerationRequest(prompt="hi", videos=(OTHER_VIDEO,))).leaves != seen.leaves
+    assert seen.leaves != prefix_keys(GenerationRequest(prompt="hi")).leaves
 
 
 def pool_of(*addresses: str) -> ReplicaPool:
