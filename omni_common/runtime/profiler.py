@@ -57,6 +57,7 @@ MAX_BYTES = 1 << 30
 # On CUDA a segment's end synchronizes the device: one a second at most (CPU: every task).
 SEGMENT_S_CUDA = 1.0
 MERGE_TIMEOUT_S = 1800.0
+MERGE_SCRIPT = Path(__file__).with_name("trace_merge.py")
 
 
 def default_root() -> Path:
@@ -98,7 +99,7 @@ def owner_only_directory(path: Path, *, create: bool) -> Path:
 
 
 @dataclass
-class Session:
+class ProfileSession:
     """One profile: its directory, the segments saved so far, the segment recording now."""
 
     directory: Path
@@ -134,7 +135,7 @@ class StageProfiler:
         if segment_s is None:
             segment_s = SEGMENT_S_CUDA if device.type == "cuda" else 0.0
         self.segment_s = segment_s
-        self._session: Session | None = None
+        self._session: ProfileSession | None = None
         self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-profile-merge")
         # A session that stopped itself: its trace's file (being merged) and seconds recorded,
         # until StopProfile collects them.
@@ -162,7 +163,7 @@ class StageProfiler:
         segments = Path(tempfile.mkdtemp(prefix=".segments-", dir=path))  # 0700, fresh
         self._stopped = None  # an uncollected self-stopped trace stays on disk
         now = time.monotonic()
-        self._session = Session(path, segments, now, resident_bytes(), self._record(), now)
+        self._session = ProfileSession(path, segments, now, resident_bytes(), self._record(), now)
         return path
 
     def _record(self) -> profile:
@@ -212,7 +213,7 @@ class StageProfiler:
             return stopped
         return self._finish()
 
-    def _save_segment(self, session: Session) -> None:
+    def _save_segment(self, session: ProfileSession) -> None:
         """End the segment recording now and save it: torch processes its events holding
         the GIL, so a segment is kept short (one task on CPU) and StopProfile, which ends only
         the last one, never stalls the replica for the whole session."""
@@ -243,7 +244,7 @@ class StageProfiler:
         self._merger.shutdown(wait=True)
 
 
-def _drop(session: Session) -> None:
+def _drop(session: ProfileSession) -> None:
     """End a session's recording (if still running) and delete its segments."""
     with contextlib.suppress(Exception):  # already stopped: torch warns or raises
         session.recording.stop()
@@ -252,8 +253,9 @@ def _drop(session: Session) -> None:
 
 def _merge(segments: Path, trace: Path) -> Path:
     """The segments joined into `trace` by trace_merge.py in a process of its own (no fork
-    of this one: it only execs), then their directory removed."""
-    argv = [sys.executable, "-m", "omni_common.runtime.trace_merge", str(segments), str(trace)]
+    of this one: it only execs; -I: the script needs the standard library alone, from
+    wherever this package was loaded), then their directory removed."""
+    argv = [sys.executable, "-I", str(MERGE_SCRIPT), str(segments), str(trace)]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=MERGE_TIMEOUT_S, check=False)
     finally:

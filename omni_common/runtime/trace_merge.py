@@ -1,6 +1,6 @@
 """Joins the segment files of one profile into one Chrome trace, in a process of its own.
 
-    python -m omni_common.runtime.trace_merge SEGMENTS OUT
+    python -I omni_common/runtime/trace_merge.py SEGMENTS OUT   (the standard library only)
 
 StageProfiler (profiler.py) ends its recording in short segments, each saved as torch's
 Chrome trace JSON under SEGMENTS (000001.json, ...). This process streams them, in name
@@ -76,7 +76,7 @@ def _once(events: list[dict[str, Any]], named: set[str]) -> Iterator[dict[str, A
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m omni_common.runtime.trace_merge SEGMENTS OUT", file=sys.stderr)
+        print("usage: python -I trace_merge.py SEGMENTS OUT", file=sys.stderr)
         return 2
     os.nice(10)  # the replica's compute comes first
     merge(Path(argv[0]), Path(argv[1]))
