@@ -176,32 +176,37 @@ class StageProfiler:
 
     def after_task(self) -> None:
         """Between two tasks of the compute thread: stop a session past its time or size
-        bound, else end a segment `segment_s` old and record the next."""
+        bound, else end a segment `segment_s` old and record the next. A failure here drops
+        the profile, never the task's own result."""
         session = self._session
         if session is None:
             return
-        now = time.monotonic()
-        seconds = now - session.started
-        grown = max(resident_bytes() - session.rss_at_start, session.saved_bytes)
-        if seconds > self.max_seconds or grown > self.max_bytes:
-            log.warning(
-                "%s: the profile stopped itself after %.1f s, %.0f MiB recorded or grown "
-                "(bounds: %.0f s, %.0f MiB); StopProfile returns its trace",
-                self.stage,
-                seconds,
-                grown / 2**20,
-                self.max_seconds,
-                self.max_bytes / 2**20,
-            )
-            self._stopped = self._finish()
-        elif now - session.segment_started >= self.segment_s:
-            try:
+        try:
+            due = time.monotonic() - session.segment_started >= self.segment_s
+            if not self._stopped_itself(session) and due:
                 self._save_segment(session)
                 session.recording, session.segment_started = self._record(), time.monotonic()
-            except Exception:  # the task's own result stands; the profile goes
-                log.exception("%s: saving a profile segment failed; the profile is dropped", self.stage)
-                self._session = None
-                _drop(session)
+        except Exception:
+            log.exception("%s: ending a profile segment failed; the profile is dropped", self.stage)
+            self._session = None
+            _drop(session)
+
+    def _stopped_itself(self, session: ProfileSession) -> bool:
+        seconds = time.monotonic() - session.started
+        grown = max(resident_bytes() - session.rss_at_start, session.saved_bytes)
+        if seconds <= self.max_seconds and grown <= self.max_bytes:
+            return False
+        log.warning(
+            "%s: the profile stopped itself after %.1f s, %.0f MiB recorded or grown "
+            "(bounds: %.0f s, %.0f MiB); StopProfile returns its trace",
+            self.stage,
+            seconds,
+            grown / 2**20,
+            self.max_seconds,
+            self.max_bytes / 2**20,
+        )
+        self._stopped = self._finish()
+        return True
 
     def stop(self) -> tuple[Future[Path], float]:
         """End the recording (the compute thread): (its file, being merged; seconds
