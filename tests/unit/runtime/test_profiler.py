@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -88,6 +89,14 @@ def test_a_session_stops_itself_at_its_size_bound(tmp_path: Path) -> None:
     finally:
         compute.pool.submit(profiler.close).result()
         compute.pool.shutdown()
+
+
+def test_a_segment_that_cannot_be_saved_drops_the_profile_not_the_task(compute: ComputeThread) -> None:
+    directory = compute.run(compute.profiler.start, "gone")
+    [segments] = directory.iterdir()
+    shutil.rmtree(segments)  # say, a cleaner emptied the directory under the replica
+    assert compute.run(lambda: torch.ones(2).add(1).tolist()) == [2.0, 2.0]
+    assert not compute.profiler.running
 
 
 def segment(path: Path, base_ns: int, events: list[dict[str, Any]]) -> None:
