@@ -1,29 +1,46 @@
-"""What StopProfile costs the rest of a replica while it ends a trace (issue 38, finding 3).
+"""What StopProfile costs the requests a replica serves meanwhile (issue 38, finding 3).
 
-    python benchmarks/profile_stop.py [--ops 20000 100000]
+    python benchmarks/profile_stop.py [--ops 20000 100000] [--requests 8] [--trials 3]
 
-For each size, a StageProfiler records that many small operators on a "compute" thread, then
-StopProfile runs as the replica runs it: the recording ends on the compute thread, the trace
-is written on the writer thread. Meanwhile a third thread (standing in for the event loop:
-health, heartbeats, other calls) wakes every 10 ms; its longest wait shows how long torch
-held the GIL. Printed, one JSON line per size: seconds to stop, seconds to write, the
-trace's size, the longest stall each phase caused, and the resident memory the recording
-took (the quantity --profile-max-mb bounds).
+A stand-in replica: one compute thread runs every task and, after each, the profiler's
+`after_task` (as Worker does); a request is `--steps` tasks, each a forward of a small
+transformer (like a DiT's steps). For each recording size, and for two ways of ending it:
+
+- `segments`: the shipped StageProfiler (each task's events saved right after it, the
+  trace joined by a separate process), and
+- `one-recording`: the same class with one segment for the whole session (segment_s=inf),
+  the way StopProfile worked before: torch processes every event at the stop, holding the GIL,
+
+it records `--ops` operator events while requests run, then a client sends requests back
+to back while StopProfile ends the recording and the trace is written (`--trials` times).
+Printed, one JSON line each, against the median unprofiled request (`--requests` run before
+the profile and after each trace is written, as the machine's load drifts; their own worst
+ratio shows the noise): the median ratio of the requests recorded (profiling's own cost,
+which segments raise: each task's events are processed after it), the ratio of the first
+request sent with StopProfile (the one a stall would hit), the median and worst ratio of
+all requests that overlapped StopProfile (from the call until the trace was on disk), the
+seconds StopProfile took, the longest wait of a thread that wakes every 10 ms (the event
+loop's view), the trace's size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from omni_common.runtime.profiler import StageProfiler, resident_bytes
+from omni_common.runtime.profiler import StageProfiler
+
+T = TypeVar("T")
 
 
 class Stalls:
@@ -47,45 +64,133 @@ class Stalls:
         return self.worst
 
 
-def measure(ops: int, root: Path) -> dict[str, object]:
-    compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
-    profiler = StageProfiler("bench", torch.device("cpu"), str(root))
-    y = torch.ones(4)
-    compute.submit(profiler.start, f"ops-{ops}").result()
-    before = resident_bytes()
-    compute.submit(lambda: [y.add(1) for _ in range(ops)]).result()
-    grown = resident_bytes() - before
+class Replica:
+    """A compute thread that runs tasks and, after each, the profiler's after_task."""
+
+    def __init__(self, profiler: StageProfiler, steps: int) -> None:
+        self.profiler = profiler
+        self.steps = steps
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        layer = torch.nn.TransformerEncoderLayer(128, 4, 256, batch_first=True)
+        self.model = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).eval()
+        self.x = torch.randn(1, 512, 128)
+
+    def run(self, fn: Callable[..., T], *args: object) -> T:
+        return self.compute.submit(self._bounded, fn, args).result()
+
+    def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        try:
+            return fn(*args)
+        finally:
+            self.profiler.after_task()
+
+    def _step(self) -> None:
+        with torch.inference_mode():
+            self.model(self.x)
+
+    def request(self) -> float:
+        """One request's seconds: its steps, each a task of the compute thread."""
+        started = time.perf_counter()
+        for _ in range(self.steps):
+            self.run(self._step)
+        return time.perf_counter() - started
+
+    def ops_per_request(self) -> int:
+        """Operator events one request records (a profiled request, counted in its trace)."""
+        self.run(self.profiler.start, "count")
+        self.request()
+        written, _ = self.run(self.profiler.stop)
+        return count_ops(written.result())
+
+    def close(self) -> None:
+        self.compute.submit(self.profiler.close).result()
+        self.compute.shutdown()
+
+
+def during_stop(replica: Replica) -> tuple[list[float], float, float, Path]:
+    """Requests back to back while StopProfile runs: their latencies, the stop's seconds,
+    the event loop's longest wait, the trace."""
+    latencies: list[float] = []
+    stopping = threading.Event()
+    done = threading.Event()
+
+    def client() -> None:
+        stopping.wait()
+        while not done.is_set():
+            latencies.append(replica.request())
+
+    thread = threading.Thread(target=client)
+    thread.start()
     stalls = Stalls()
     started = time.perf_counter()
-    written, _ = compute.submit(profiler.stop).result()
-    stop_s = time.perf_counter() - started
-    stop_stall = stalls.close()
-    stalls = Stalls()
-    started = time.perf_counter()
+    stopping.set()
+    written, _ = replica.run(replica.profiler.stop)
     trace = written.result()
-    write_s = time.perf_counter() - started
-    write_stall = stalls.close()
-    profiler.close()
-    compute.shutdown()
+    stop_s = time.perf_counter() - started
+    done.set()
+    thread.join()
+    return latencies, stop_s, stalls.close(), trace
+
+
+def measure(ops: int, mode: str, args: argparse.Namespace, root: Path) -> dict[str, object]:
+    segment_s = float("inf") if mode == "one-recording" else None
+    profiler = StageProfiler("bench", torch.device("cpu"), str(root), segment_s=segment_s, max_seconds=3600)
+    replica = Replica(profiler, args.steps)
+    replica.request()  # warm
+    unprofiled = [replica.request() for _ in range(args.requests)]
+    per_request = replica.ops_per_request()
+    first: list[float] = []
+    profiled: list[float] = []
+    overlapping: list[float] = []
+    stops: list[float] = []
+    stalls: list[float] = []
+    for trial in range(args.trials):
+        replica.run(profiler.start, f"{mode}-{ops}-{trial}")
+        profiled += [replica.request() for _ in range(max(1, ops // per_request))]
+        latencies, stop_s, stall, trace = during_stop(replica)
+        first.append(latencies[0])
+        overlapping += latencies
+        stops.append(stop_s)
+        stalls.append(stall)
+        unprofiled += [replica.request() for _ in range(args.requests)]  # the load drifts
+    replica.close()
+    usual = statistics.median(unprofiled)
     return {
         "ops": ops,
-        "recorded_mb": round(grown / 2**20, 1),
-        "stop_s": round(stop_s, 2),
-        "stop_worst_stall_s": round(stop_stall, 2),
-        "write_s": round(write_s, 2),
-        "write_worst_stall_s": round(write_stall, 2),
+        "mode": mode,
+        "trace_ops": count_ops(trace),
         "trace_mb": round(trace.stat().st_size / 2**20, 1),
+        "unprofiled_request_s": round(usual, 3),
+        "unprofiled_worst_ratio": round(max(unprofiled) / usual, 2),
+        "profiled_median_ratio": round(statistics.median(profiled) / usual, 2),
+        "first_request_ratios": [round(latency / usual, 2) for latency in first],
+        "requests_during_stop": len(overlapping),
+        "median_ratio": round(statistics.median(overlapping) / usual, 2),
+        "worst_ratio": round(max(overlapping) / usual, 2),
+        "stop_s": [round(seconds, 2) for seconds in stops],
+        "event_loop_worst_stall_s": [round(stall, 2) for stall in stalls],
     }
+
+
+def count_ops(trace: Path) -> int:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sum(1 for event in events if event.get("cat") == "cpu_op")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=int, nargs="+", default=[20_000, 100_000])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--trials", type=int, default=3, help="StopProfile calls per size and mode")
+    parser.add_argument("--modes", nargs="+", default=["segments", "one-recording"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as root:
         for ops in args.ops:
-            print(json.dumps(measure(ops, Path(root) / "profiles")), flush=True)
+            for mode in args.modes:
+                result = measure(ops, mode, args, Path(root) / "profiles")
+                print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

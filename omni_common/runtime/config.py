@@ -247,11 +247,13 @@ class StageConfig(ServiceConfig):
         "where `omnistage profile` traces of this replica go, owner-only (default: "
         "omnistage-profiles-<uid> in the system's temporary directory)",
     )
-    # A profile stops itself after this long, or once the replica grew this much resident
-    # memory since it started (runtime/profiler.py).
+    # A profile stops itself after this long, or once its saved segments or the replica's
+    # growth in resident memory since it started reach this size (runtime/profiler.py).
     profile_max_s: float = setting(60.0, "a profile that nobody stops stops itself after this many seconds")
     profile_max_mb: int = setting(
-        1024, "a profile stops itself once the replica's resident memory grew this many MiB"
+        1024,
+        "a profile stops itself once its trace segments, or the replica's growth in resident "
+        "memory, reach this many MiB",
     )
     # dit-denoise over several devices: where each request runs (runtime/parallel_mode.py).
     parallel_mode: str = setting(

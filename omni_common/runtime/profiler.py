@@ -3,20 +3,27 @@
 Traces go under the replica's profile directory (--profile-dir, by default
 omnistage-profiles-<uid> in the system's temporary directory), each call's in a subdirectory
 it names or a new one: a call never chooses where on the machine a file is written. The
-profiler starts and stops on the replica's compute thread, where every forward runs, and
-records CPU operators (and CUDA kernels on a GPU); the trace is written as Chrome trace JSON,
-which chrome://tracing and Perfetto (ui.perfetto.dev) open.
+profiler records on the replica's compute thread, where every forward runs: CPU operators
+with their input shapes (and CUDA kernels on a GPU); the trace is one Chrome trace JSON
+file, which chrome://tracing and Perfetto (ui.perfetto.dev) open.
 
 What keeps a profile from hurting serving (issue 38):
-- a session stops itself after `max_seconds` or once the process has grown `max_bytes` of
-  resident memory since it started (a client that never sends StopProfile, a Ctrl-C, a
-  crash): the compute thread checks after each of its tasks (`enforce_limits`);
-- the trace (hundreds of MB for a few hundred requests) is written by a writer thread, never
-  the compute thread: stopping only ends the recording there. What no thread choice avoids:
-  torch holds the GIL while it stops (its C++ post-processing of the events) and while it
-  writes the JSON, every thread of the process waits, for a time proportional to the events
-  recorded (benchmarks/profile_stop.py: ~5-13 s and ~4 s per 100k operator events on 2
-  shared CPU cores). The memory bound is therefore also the bound on that stall;
+- torch processes a recording's events when it stops, holding the GIL (every thread of the
+  process waits: ~1.8 s per 20k operator events with shapes on 2 shared CPU cores), and it
+  keeps the recording in the state of the thread that started it. So the compute thread
+  records in segments: after each task (CPU; on CUDA after the first task that ends a second
+  after the segment began, since each end synchronizes the device) it ends the segment and
+  saves it (the cost lands on the task whose events they are, as profiling overhead) and
+  records the next. StopProfile ends only the last segment; a process of its own
+  (trace_merge.py, exec'd, never a fork of this one, at low priority) joins the segments
+  into the trace while the replica serves (benchmarks/profile_stop.py: request latency while
+  StopProfile runs, against one recording for the session);
+- a session stops itself after `max_seconds`, or once its saved segments or the process's
+  growth in resident memory since it started pass `max_bytes` (a client that never sends
+  StopProfile, a Ctrl-C, a crash): the compute thread checks after each of its tasks;
+- a session still running when the replica closes is dropped on the compute thread, before
+  that thread ends (a recording left in an ended thread's state crashes the process at
+  exit);
 - the profile directory is owner-only (0700, owned by this user: a shared /tmp directory
   made by someone else is refused), subdirectories and trace files are created fresh
   (mode 0700 / 0600) and a symlink planted anywhere on the way is refused, never followed.
@@ -24,13 +31,18 @@ What keeps a profile from hurting serving (issue 38):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +54,10 @@ log = logging.getLogger("omnistage.profiler")
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 MAX_SECONDS = 60.0
 MAX_BYTES = 1 << 30
+# On CUDA a segment's end synchronizes the device: one a second at most (CPU: every task).
+SEGMENT_S_CUDA = 1.0
+MERGE_TIMEOUT_S = 1800.0
+MERGE_SCRIPT = Path(__file__).with_name("trace_merge.py")
 
 
 def default_root() -> Path:
@@ -82,9 +98,24 @@ def owner_only_directory(path: Path, *, create: bool) -> Path:
     return path
 
 
+@dataclass
+class ProfileSession:
+    """One profile: its directory, the segments saved so far, the segment recording now."""
+
+    directory: Path
+    segments: Path  # a fresh 0700 subdirectory of `directory`, removed once merged
+    started: float
+    rss_at_start: int
+    recording: profile
+    segment_started: float
+    count: int = 0  # segments saved
+    saved_bytes: int = 0
+
+
 class StageProfiler:
-    """At most one trace at a time; `start`, `stop` and `enforce_limits` run on the compute
-    thread, the trace's file is written on a writer thread."""
+    """At most one trace at a time; `start`, `stop`, `after_task` and `close` run on the
+    compute thread (torch keeps a recording in the state of the thread that started it), the
+    segments are joined into the trace by a process of its own."""
 
     def __init__(
         self,
@@ -94,29 +125,30 @@ class StageProfiler:
         *,
         max_seconds: float = MAX_SECONDS,
         max_bytes: int = MAX_BYTES,
+        segment_s: float | None = None,
     ) -> None:
         self.stage = stage
         self.device = device
         self.root = Path(root) if root else default_root()
         self.max_seconds = max_seconds
         self.max_bytes = max_bytes
-        self._profile: profile | None = None
-        self._directory: Path | None = None
-        self._started = 0.0
-        self._rss_at_start = 0
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-profile-writer")
-        # A session that stopped itself: its trace's file (being written) and seconds recorded,
+        if segment_s is None:
+            segment_s = SEGMENT_S_CUDA if device.type == "cuda" else 0.0
+        self.segment_s = segment_s
+        self._session: ProfileSession | None = None
+        self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-profile-merge")
+        # A session that stopped itself: its trace's file (being merged) and seconds recorded,
         # until StopProfile collects them.
         self._stopped: tuple[Future[Path], float] | None = None
 
     @property
     def running(self) -> bool:
-        return self._profile is not None
+        return self._session is not None
 
     def start(self, name: str) -> Path:
         """Start recording; the trace will go to the subdirectory `name` of the profile
         directory (a new one when empty)."""
-        if self._profile is not None:
+        if self._session is not None:
             raise FailedPrecondition(f"a profile of this {self.stage} is already running; stop it first")
         if name and not NAME.fullmatch(name):
             raise InvalidArgument(
@@ -128,57 +160,114 @@ class StageProfiler:
             path = owner_only_directory(self.root / name, create=True)
         else:
             path = Path(tempfile.mkdtemp(prefix=f"{self.stage}-", dir=self.root))  # 0700, fresh
+        segments = Path(tempfile.mkdtemp(prefix=".segments-", dir=path))  # 0700, fresh
+        self._stopped = None  # an uncollected self-stopped trace stays on disk
+        now = time.monotonic()
+        self._session = ProfileSession(path, segments, now, resident_bytes(), self._record(), now)
+        return path
+
+    def _record(self) -> profile:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        self._stopped = None  # an uncollected self-stopped trace stays on disk
-        self._profile = profile(activities=activities, record_shapes=True)
-        self._profile.start()
-        self._directory, self._started = path, time.monotonic()
-        self._rss_at_start = resident_bytes()
-        return path
+        recording = profile(activities=activities, record_shapes=True)
+        recording.start()
+        return recording
 
-    def enforce_limits(self) -> None:
-        """Stop a session past its time or memory bound (the compute thread, between tasks)."""
-        if self._profile is None:
+    def after_task(self) -> None:
+        """Between two tasks of the compute thread: stop a session past its time or size
+        bound, else end a segment `segment_s` old and record the next. A failure here drops
+        the profile, never the task's own result."""
+        session = self._session
+        if session is None:
             return
-        seconds = time.monotonic() - self._started
-        grown = resident_bytes() - self._rss_at_start
-        if seconds > self.max_seconds or grown > self.max_bytes:
-            log.warning(
-                "%s: the profile stopped itself after %.1f s, the process %.0f MiB larger "
-                "(bounds: %.0f s, %.0f MiB); StopProfile returns its trace",
-                self.stage,
-                seconds,
-                grown / 2**20,
-                self.max_seconds,
-                self.max_bytes / 2**20,
-            )
-            self._stopped = self._finish()
+        try:
+            due = time.monotonic() - session.segment_started >= self.segment_s
+            if not self._stopped_itself(session) and due:
+                self._save_segment(session)
+                session.recording, session.segment_started = self._record(), time.monotonic()
+        except Exception:
+            log.exception("%s: ending a profile segment failed; the profile is dropped", self.stage)
+            self._session = None
+            _drop(session)
+
+    def _stopped_itself(self, session: ProfileSession) -> bool:
+        seconds = time.monotonic() - session.started
+        grown = max(resident_bytes() - session.rss_at_start, session.saved_bytes)
+        if seconds <= self.max_seconds and grown <= self.max_bytes:
+            return False
+        log.warning(
+            "%s: the profile stopped itself after %.1f s, %.0f MiB recorded or grown "
+            "(bounds: %.0f s, %.0f MiB); StopProfile returns its trace",
+            self.stage,
+            seconds,
+            grown / 2**20,
+            self.max_seconds,
+            self.max_bytes / 2**20,
+        )
+        self._stopped = self._finish()
+        return True
 
     def stop(self) -> tuple[Future[Path], float]:
-        """End the recording (the compute thread): (its file, being written by the writer
-        thread; seconds recorded). A session that stopped itself is collected here."""
-        if self._profile is None:
+        """End the recording (the compute thread): (its file, being merged; seconds
+        recorded). A session that stopped itself is collected here."""
+        if self._session is None:
             if self._stopped is None:
                 raise FailedPrecondition(f"no profile of this {self.stage} is running")
             stopped, self._stopped = self._stopped, None
             return stopped
         return self._finish()
 
+    def _save_segment(self, session: ProfileSession) -> None:
+        """End the segment recording now and save it: torch processes its events holding
+        the GIL, so a segment is kept short (one task on CPU) and StopProfile, which ends only
+        the last one, never stalls the replica for the whole session."""
+        session.recording.stop()
+        session.count += 1
+        segment = session.segments / f"{session.count:06d}.json"
+        _write(session.recording, segment)
+        session.saved_bytes += segment.stat().st_size
+
     def _finish(self) -> tuple[Future[Path], float]:
-        assert self._profile is not None and self._directory is not None
-        prof, self._profile = self._profile, None
-        prof.stop()
-        seconds = time.monotonic() - self._started
-        trace = self._directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(prof):x}.json"
-        return self._writer.submit(_write, prof, trace), seconds
+        session, self._session = self._session, None
+        assert session is not None
+        try:
+            self._save_segment(session)
+        except Exception:
+            _drop(session)
+            raise
+        seconds = time.monotonic() - session.started
+        trace = session.directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(session):x}.json"
+        return self._merger.submit(_merge, session.segments, trace), seconds
 
     def close(self) -> None:
-        if self._profile is not None:
-            self._profile.stop()
-            self._profile = None
-        self._writer.shutdown(wait=True)
+        """Drop a running session (the compute thread, before it ends: a recording left in
+        an ended thread's state crashes the process at exit) and wait for merges."""
+        session, self._session = self._session, None
+        if session is not None:
+            _drop(session)
+        self._merger.shutdown(wait=True)
+
+
+def _drop(session: ProfileSession) -> None:
+    """End a session's recording (if still running) and delete its segments."""
+    with contextlib.suppress(Exception):  # already stopped: torch warns or raises
+        session.recording.stop()
+    shutil.rmtree(session.segments, ignore_errors=True)
+
+
+def _merge(segments: Path, trace: Path) -> Path:
+    """The segments joined into `trace` by trace_merge.py in a process of its own (no fork
+    of this one: it only execs; -I: the script needs the standard library alone, from
+    wherever this package was loaded), then their directory removed."""
+    argv = [sys.executable, "-I", str(MERGE_SCRIPT), str(segments), str(trace)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=MERGE_TIMEOUT_S, check=False)
+    finally:
+        shutil.rmtree(segments, ignore_errors=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"merging the profile's segments failed: {done.stderr.strip()[-500:]}")
+    return trace
 
 
 def _write(prof: profile, trace: Path) -> Path:

@@ -375,8 +375,8 @@ class Worker(LoraControl):
         return await self.compute(self.profiler.start, name)
 
     async def stop_profile(self) -> tuple[Path, float]:
-        """End the recording on the compute thread; its trace is written off it (the next
-        steps run while the file is written)."""
+        """End the recording's last segment on the compute thread; a process of its own joins
+        the segments into the trace while the next steps run (profiler.py)."""
         written, seconds = await self.compute(self.profiler.stop)
         return await asyncio.wrap_future(written), seconds
 
@@ -386,16 +386,18 @@ class Worker(LoraControl):
         return await loop.run_in_executor(self._executor, self._bounded, fn, args)
 
     def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
-        """`fn(*args)`, then a running profile's time and memory bounds are enforced (the
-        compute thread is where the profiler may be stopped)."""
+        """`fn(*args)`, then a running profile ends its segment or stops at its bounds (the
+        compute thread is where the profiler records)."""
         try:
             return fn(*args)
         finally:
-            self.profiler.enforce_limits()
+            self.profiler.after_task()
 
     def close(self) -> None:
         for handler in self.handlers.values():
             handler.close()
+        if self.profiler.running:  # ended by the thread that records it, before that ends
+            self._executor.submit(self.profiler.close).result()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.files.close()
         self.profiler.close()

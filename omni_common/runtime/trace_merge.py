@@ -1,0 +1,87 @@
+"""Joins the segment files of one profile into one Chrome trace, in a process of its own.
+
+    python -I omni_common/runtime/trace_merge.py SEGMENTS OUT   (the standard library only)
+
+StageProfiler (profiler.py) ends its recording in short segments, each saved as torch's
+Chrome trace JSON under SEGMENTS (000001.json, ...). This process streams them, in name
+order, into OUT: the first segment's header, every segment's events (the process and thread
+names once), timestamps moved onto the first segment's base time. It runs outside the
+replica because parsing and writing hundreds of MB would hold the replica's GIL: a separate
+process holds none (and runs at a lower priority). OUT is made fresh (O_EXCL | O_NOFOLLOW,
+0600); each segment is deleted once copied, so the disk holds at most one segment twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+FRESH = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def segment_files(segments: Path) -> list[Path]:
+    return sorted(path for path in segments.iterdir() if path.suffix == ".json")
+
+
+def merge(segments: Path, out: Path) -> int:
+    """Write OUT from the segments under SEGMENTS; the number of events written."""
+    fd = os.open(out, FRESH, 0o600)
+    os.fchmod(fd, 0o600)  # whatever the umask
+    with os.fdopen(fd, "w") as sink:
+        written, base = 0, None
+        named: set[str] = set()
+        for path in segment_files(segments):
+            with open(path, "rb") as source:
+                document = json.load(source)
+            events = document.pop("traceEvents", [])
+            document.pop("traceName", None)
+            if base is None:
+                base = int(document.get("baseTimeNanoseconds", 0))
+                _header(sink, document)
+            shift_us = (int(document.get("baseTimeNanoseconds", base)) - base) / 1000
+            for event in _once(events, named):
+                if shift_us and isinstance(event.get("ts"), (int, float)):
+                    event["ts"] += shift_us
+                sink.write(("\n" if written == 0 else ",\n") + json.dumps(event))
+                written += 1
+            path.unlink()
+        if base is None:
+            _header(sink, {"schemaVersion": 1, "displayTimeUnit": "ms"})
+        sink.write(f"\n],\n{json.dumps('traceName')}: {json.dumps(str(out))}\n}}\n")
+    return written
+
+
+def _header(sink: IO[str], document: dict[str, Any]) -> None:
+    sink.write("{\n")
+    for key, value in document.items():
+        sink.write(f"{json.dumps(key)}: {json.dumps(value)},\n")
+    sink.write('"traceEvents": [')
+
+
+def _once(events: list[dict[str, Any]], named: set[str]) -> Iterator[dict[str, Any]]:
+    """The events, less a process or thread name (metadata, "ph": "M") already written:
+    every segment repeats them."""
+    for event in events:
+        if event.get("ph") == "M":
+            key = json.dumps([event.get("name"), event.get("pid"), event.get("tid"), event.get("args")])
+            if key in named:
+                continue
+            named.add(key)
+        yield event
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -I trace_merge.py SEGMENTS OUT", file=sys.stderr)
+        return 2
+    os.nice(10)  # the replica's compute comes first
+    merge(Path(argv[0]), Path(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
