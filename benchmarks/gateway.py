@@ -176,9 +176,9 @@ def speech_times(url: str, coordinator: str, runs: int, warmup: int, options: di
                 for chunk in response.iter_raw():
                     if chunk and not first:
                         first = time.perf_counter()
-            if seed >= warmup:
-                inside = float(response.headers["x-first-audio-ms"])
-                outside.append((first - started) * 1e3 - inside)
+            inside = response.headers.get("x-first-audio-ms")  # absent: no audio before the result
+            if seed >= warmup and inside is not None:
+                outside.append((first - started) * 1e3 - float(inside))
             return (first - started) * 1e3, (time.perf_counter() - started) * 1e3
 
         sides = (("coordinator", direct), ("gateway", through_gateway))
