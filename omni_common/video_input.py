@@ -2,10 +2,10 @@
 and given to the stages as one canonical serialized InputVideo.
 
 No container is decoded anywhere (no av, decord or torchcodec): a client sends the frames it
-sampled. The coordinator re-serializes every video deterministically (`input.video.i`, whose digest is
-the caches' content address wherever it is computed) and checks it at the edge from its frames'
-headers (no pixels decoded). A stage checks it
-again (a stage may be called directly) and decodes the frames only in the runner that uses them.
+sampled. The coordinator re-serializes every video deterministically (`input.video.i`, whose
+digest is the caches' content address wherever it is computed) and checks it at the edge from
+its frames' headers (no pixels decoded). A stage checks it again (a stage may be called
+directly) and decodes the frames only in the runner that uses them.
 """
 
 from __future__ import annotations
