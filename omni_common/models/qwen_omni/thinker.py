@@ -22,10 +22,11 @@ Text-only requests send text alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, Qwen2_5OmniThinkerForConditionalGeneration
@@ -51,6 +52,35 @@ MAX_TOKENS = 16384  # per request (prompt + reply) with the eager decode
 # The graphed decode reserves every slot's KV up front (~56 KiB a token at 7B): 64 x 4096 is
 # ~15 GiB on the GPU, beside the thinker's 15 GiB of weights.
 GRAPHED_MAX_TOKENS = 4096
+
+
+class LastPositionHead(torch.nn.Module):
+    """An output head that runs on the last position only: transformers' Qwen2.5-Omni thinker
+    ignores `logits_to_keep` and runs its head on every prompt token (a chunk of 512 at real
+    size: a [512, 152064] product and its 156 MB of bf16 logits, of which a prefill reads one
+    row)."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden[:, -1:])
+
+
+@contextmanager
+def head_on_last_position(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """While a prefill's forward runs, `model.lm_head` computes the last position's logits only
+    (when `enabled`)."""
+    if not enabled:
+        yield
+        return
+    head = cast(torch.nn.Module, model.lm_head)
+    model.lm_head = LastPositionHead(head)
+    try:
+        yield
+    finally:
+        model.lm_head = head
 
 
 @dataclass(kw_only=True, eq=False)
@@ -105,6 +135,10 @@ class Thinker(SlotGenerator):
         )
         self.speakers = speakers
         self.talker_text_ids = talker_text_ids  # (text eos, text pad) of the talker's config
+        # A prefill's logits of its last position only, on CUDA. On the CPU the head runs as in
+        # transformers: a product's rounding depends on its row count, and CPU replies equal
+        # `generate`'s bit for bit.
+        self.last_position_head = device.type == "cuda"
 
     @classmethod
     def load(
@@ -230,16 +264,17 @@ class Thinker(SlotGenerator):
         end = prompt.length
         if self.prefill_chunk_tokens:
             end = prompt.chunk_end(start, self.prefill_chunk_tokens)
-        output = self.model(
-            input_ids=prompt.input_ids[:, start:end],
-            attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
-            position_ids=prompt.positions[..., start:end],
-            past_key_values=prefill.cache,
-            use_cache=True,
-            output_hidden_states=True,
-            logits_to_keep=1,
-            **prompt.media_between(start, end),
-        )
+        with head_on_last_position(self.model, self.last_position_head):
+            output = self.model(
+                input_ids=prompt.input_ids[:, start:end],
+                attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
+                position_ids=prompt.positions[..., start:end],
+                past_key_values=prefill.cache,
+                use_cache=True,
+                output_hidden_states=True,
+                logits_to_keep=1,
+                **prompt.media_between(start, end),
+            )
         hidden = output.hidden_states
         # `generate` zeroes the embedding half of the talker's row at audio and image
         # placeholders (the talker hears the thinker's last layer there, not the features).

@@ -369,3 +369,39 @@ def test_a_prompt_joining_a_running_reply_in_chunks_picks_its_tokens(
     )
     assert joined_run(thinker) == joined_run(whole)
     assert not thinker.slots.active
+
+
+def head_positions(thinker: Thinker, gen: GenerationRequest) -> tuple[Run, int]:
+    """A Run of `gen`, and the most positions any call of the thinker's output head computed."""
+    positions: list[int] = []
+    hook = thinker.model.lm_head.register_forward_hook(lambda _m, _i, out: positions.append(out.shape[1]))
+    try:
+        return Run(thinker, gen), max(positions)
+    finally:
+        hook.remove()
+
+
+def test_on_cuda_a_prefill_computes_its_last_positions_logits_only(whole: Thinker, chunked: StepLog) -> None:
+    """transformers' thinker ignores `logits_to_keep`: its head would run on every prompt token.
+    On CUDA the prefill's head runs on the last position (here switched on, on the CPU): the
+    same tokens, the first logits within rounding, and the model's own head back afterwards."""
+    last = Thinker(
+        chunked.model,
+        chunked.processor,
+        chunked.speakers,
+        chunked.talker_text_ids,
+        CPU,
+        torch.float32,
+        max_slots=1,
+        prefix_bytes=0,
+        prefill_chunk_tokens=CHUNK,
+    )
+    assert not last.last_position_head  # the CPU default: as transformers, bit for bit
+    last.last_position_head = True
+    head = chunked.model.lm_head
+    before, every = head_positions(whole, request())
+    after, one = head_positions(last, request())
+    assert every > CHUNK and one == 1
+    assert after.tokens == before.tokens
+    assert largest(after.first_logits, before.first_logits) < TOL
+    assert chunked.model.lm_head is head
