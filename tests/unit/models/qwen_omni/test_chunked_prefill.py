@@ -139,6 +139,21 @@ class Run:
         thinker.finish(state)
 
 
+def sibling(thinker: Thinker, chunk_tokens: int) -> Thinker:
+    """A one-slot thinker over `thinker`'s model, prefilling in chunks of `chunk_tokens`."""
+    return Thinker(
+        thinker.model,
+        thinker.processor,
+        thinker.speakers,
+        thinker.talker_text_ids,
+        CPU,
+        torch.float32,
+        max_slots=1,
+        prefix_bytes=0,
+        prefill_chunk_tokens=chunk_tokens,
+    )
+
+
 def largest(a: Sequence[torch.Tensor] | torch.Tensor, b: Sequence[torch.Tensor] | torch.Tensor) -> float:
     pairs = zip(a, b, strict=True) if isinstance(a, tuple) else [(a, b)]
     return max(float((x - y).abs().max()) for x, y in pairs)
@@ -147,17 +162,7 @@ def largest(a: Sequence[torch.Tensor] | torch.Tensor, b: Sequence[torch.Tensor] 
 def test_a_prompt_within_one_chunk_is_prefilled_at_admission_bitwise_as_before(
     whole: Thinker, chunked: StepLog
 ) -> None:
-    big = Thinker(
-        chunked.model,
-        chunked.processor,
-        chunked.speakers,
-        chunked.talker_text_ids,
-        CPU,
-        torch.float32,
-        max_slots=1,
-        prefix_bytes=0,
-        prefill_chunk_tokens=512,
-    )
+    big = sibling(chunked, 512)
     before, after = Run(whole, request(SHORT)), Run(big, request(SHORT))
     assert after.chunk_steps == 0
     assert after.tokens == before.tokens
@@ -233,17 +238,7 @@ def test_a_chunk_that_would_split_a_clip_or_video_runs_to_its_end(
     ((opens, closes),) = state.prompt.spans
     whole.finish(state)
     # A chunk size that ends the first chunk just past the clip's opening marker.
-    split = Thinker(
-        chunked.model,
-        chunked.processor,
-        chunked.speakers,
-        chunked.talker_text_ids,
-        CPU,
-        torch.float32,
-        max_slots=1,
-        prefix_bytes=0,
-        prefill_chunk_tokens=opens + 1,
-    )
+    split = sibling(chunked, opens + 1)
     assert state.prompt.chunk_end(0, opens + 1) == closes + 1
     before, after = Run(whole, gen, medium), Run(split, gen, medium)
     assert after.chunk_steps >= 2
@@ -385,17 +380,7 @@ def test_on_cuda_a_prefill_computes_its_last_positions_logits_only(whole: Thinke
     """transformers' thinker ignores `logits_to_keep`: its head would run on every prompt token.
     On CUDA the prefill's head runs on the last position (here switched on, on the CPU): the
     same tokens, the first logits within rounding, and the model's own head back afterwards."""
-    last = Thinker(
-        chunked.model,
-        chunked.processor,
-        chunked.speakers,
-        chunked.talker_text_ids,
-        CPU,
-        torch.float32,
-        max_slots=1,
-        prefix_bytes=0,
-        prefill_chunk_tokens=CHUNK,
-    )
+    last = sibling(chunked, CHUNK)
     assert not last.last_position_head  # the CPU default: as transformers, bit for bit
     last.last_position_head = True
     head = chunked.model.lm_head
