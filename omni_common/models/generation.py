@@ -16,7 +16,13 @@ import torch
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import StageState, StepState
-from omni_common.models.graphed_decode import GraphedDecode, Launched, decoder_of, use_graphed_attention
+from omni_common.models.graphed_decode import (
+    GraphedDecode,
+    Launched,
+    attention_for,
+    decoder_of,
+    use_graphed_attention,
+)
 from omni_common.models.kv_slots import KVSlot, KVSlots, use_slot_attention
 from omni_common.models.sampling import Sampling, pick_tokens
 
@@ -135,7 +141,7 @@ class SlotGenerator:
                 position_rows=position_rows,
                 max_steps=self.slots.max_tokens,
                 keep_rows=keep_rows,
-                attention=attention,
+                attention=attention_for(attention, head_dim, device),
             )
 
     def pick(self, states: Sequence[GenerationState], logits: torch.Tensor) -> None:

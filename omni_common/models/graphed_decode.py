@@ -28,6 +28,7 @@ keeps the eager path, bitwise `generate` for a lone request (kv_slots.py).
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -40,10 +41,24 @@ from transformers.masking_utils import AttentionMaskInterface
 from omni_common.models.fused_projections import fuse_projections
 from omni_common.models.kv_slots import KVSlots
 
+log = logging.getLogger("omnistage.graphed_decode")
+
 GRAPHED_ATTENTION = "omnistage_graphed_rows"
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # batch sizes a graph is recorded for
 KV_BLOCK = 128  # FlexAttention's KV block: a row reads ceil(length / 128) blocks
 ATTENTION = ("flex", "padded")  # "padded": one masked SDPA over the full capacity (measurement)
+# flex_attention's GPU kernels take heads of at least 16 channels (torch 2.11: "NYI" below, at
+# the compile); a smaller head (the tiny test fixtures' 8) runs "padded" instead.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def attention_for(attention: str, head_dim: int, device: torch.device) -> str:
+    """The graphed decode's attention for heads of `head_dim` channels on `device`."""
+    if attention == "flex" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+        log.info("graphed decode: heads of %d channels, padded attention (flex needs 16)", head_dim)
+        return "padded"
+    return attention
+
 
 _flex: Callable[..., Any] | None = None
 

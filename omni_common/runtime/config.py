@@ -270,9 +270,9 @@ class StageConfig(ServiceConfig):
         "Qwen-Image: 8192 = 1024x1024 with CFG)",
     )
     sequence_parallel_tokens: int = setting(
-        16384,
+        4096,
         "dit-denoise, --parallel-mode auto: a lone request is split over the devices (Ulysses) from "
-        "this many image tokens a step (Qwen-Image: 16384 = 2048x2048)",
+        "this many image tokens a step (Qwen-Image: 4096 = 1024x1024)",
     )
 
 

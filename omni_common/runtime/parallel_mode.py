@@ -9,14 +9,16 @@ changes.
 - cfg-parallel: with true CFG, the two halves of the ranks run one branch each.
 - sequence-parallel: every rank holds the request and runs a share of its image tokens (Ulysses).
 
-The thresholds come from issue 35's measurements of one replica over 2 H100s, Qwen-Image at real
-size, 20 steps (2 GPUs / 1 GPU): 1024x1024 without CFG 1.033 (sequence parallel bought nothing),
-with CFG 0.557 (CFG parallel pays); 512x512 3.16 without CFG and 1.29 with it (both slower).
-vllm-omni's Ulysses pays at 2048x2048 (0.58). So, in image tokens of one step with CFG counted
-twice (Qwen-Image: (W/16)(H/16), 4096 at 1024x1024): CFG parallel from 8192 (1024x1024 with
-CFG), sequence parallel from 16384 (2048x2048), and below them one rank per request. A second
-request in flight goes to another rank whatever its size: two requests on two devices at once
-beat two requests split over both, one after the other, by the collectives' whole cost.
+The thresholds come from measurements on 2 GPUs of one host, Qwen-Image at real size. One
+replica over both, 20 steps, 2 GPUs / 1 GPU (issue 35, before the ranks had the one-device
+execution): 1024x1024 with CFG 0.557 (CFG parallel pays); 512x512 with CFG 1.29 (slower).
+One forward per rank (benchmarks/dit_parallel.py, 2 H200s, blocks compiled): spread over both
+GPUs against alone on one, 74 ms against 32 (replayed) at 512x512, 81 against 124 (0.66) at
+1024x1024, 422 against 751 (0.56) at 2048x2048. So, in image tokens of one step with CFG
+counted twice (Qwen-Image: (W/16)(H/16), 4096 at 1024x1024): CFG parallel from 8192 (1024x1024
+with CFG), sequence parallel from 4096 (1024x1024), and below them one rank per request. A
+second request in flight goes to another rank whatever its size: two requests on two devices
+at once beat two requests split over both, one after the other, by the collectives' whole cost.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class ParallelPolicy:
     mode: str = "auto"
     # Image tokens of one step (CFG counted twice) from which a lone request is split.
     cfg_parallel_tokens: int = 8192
-    sequence_parallel_tokens: int = 16384
+    sequence_parallel_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:

@@ -341,9 +341,9 @@ def test_a_warm_start_serves_one_request_first_and_loads_the_rest_while_idle(
     """With a warm compile cache the stage serves once one request at each size runs
     compiled (warmup.py); its idle work loads the rest of the warm-up before it captures
     graphs of common prompt lengths."""
-    from omni_common.models.qwenimage import denoise
+    from omni_common.models.qwenimage import execution
 
-    monkeypatch.setattr(denoise, "compile_cache_is_warm", lambda: True)
+    monkeypatch.setattr(execution, "compile_cache_is_warm", lambda: True)
     options = DenoiserOptions(
         compile=True, cuda_graphs=True, capture_sizes=((64, 64), (32, 32)), max_batch=2, defer_warm_up=True
     )
@@ -358,6 +358,6 @@ def test_a_warm_start_serves_one_request_first_and_loads_the_rest_while_idle(
     for _ in range(left):
         assert deferred.idle_work()
     assert deferred.warm_up.left == 0 and deferred.graphed.idle_captures_left == captures
-    monkeypatch.setattr(denoise, "compile_cache_is_warm", lambda: False)
+    monkeypatch.setattr(execution, "compile_cache_is_warm", lambda: False)
     cold = QwenImageDenoiser.load(tiny_model, DEVICE, torch.float32, options)
     assert cold.warm_up is not None and cold.warm_up.left == 0  # a cold start compiles it all first

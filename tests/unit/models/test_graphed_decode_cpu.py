@@ -11,6 +11,7 @@ import torch
 
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
+from omni_common.models.graphed_decode import FLEX_MIN_HEAD_DIM, attention_for
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red cafe", "a blue boat with a long sign", "kite"]
@@ -45,3 +46,11 @@ def test_the_unrecorded_graphed_step_picks_the_eager_tokens(glm_model: Path) -> 
         assert run(graphed) == run(eager)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_heads_too_small_for_flex_attention_on_a_gpu_take_the_padded_attention() -> None:
+    cuda = torch.device("cuda", 0)
+    assert attention_for("flex", 8, cuda) == "padded"  # the tiny fixtures' heads
+    assert attention_for("flex", FLEX_MIN_HEAD_DIM, cuda) == "flex"
+    assert attention_for("flex", 8, CPU) == "flex"  # the CPU runs it unrecorded, as a reference
+    assert attention_for("padded", 128, cuda) == "padded"
