@@ -13,15 +13,18 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+import torch
 
 from omni_common.chat import Reply
 from omni_common.cluster import free_port
+from omni_common.net.rpc import sync_channel
 from omni_common.runtime.config import CoordinatorConfig
 from omni_common.runtime.serve import serve
-from omni_common.transport import TensorTransport, add_tensor_store
-from omnistage.v1 import coordinator_pb2_grpc
+from omni_common.transport import TensorTransport, add_tensor_store, encode_inline
+from omnistage.v1 import coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2
 from services.coordinator.registry import PREFER_SLACK, RegistryServicer, ReplicaPool
 from services.coordinator.server import CoordinatorServicer
 from tests.integration.conftest import InProcessCluster, scrape
@@ -30,10 +33,10 @@ from tests.integration.test_generate import wait_until_no_leases
 from tests.integration.test_qwen_omni_media import USER_TURNS, clip
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pair(omni_model: Path) -> Iterator[InProcessCluster]:
-    """Two ar-encoder replicas (each serves the thinker and the talker), each with its metrics;
-    one per test: the fallback test stops one."""
+    """Two ar-encoder replicas (each serves the thinker and the talker), each with its metrics
+    (the last test stops one)."""
     running = InProcessCluster(
         omni_model,
         stage_options={"ar-encoder": {"metrics_port": free_port()}},
@@ -148,6 +151,53 @@ def test_turn_two_away_from_its_prefix_gets_the_kv_moved_and_replies_the_same(pa
     with plain_coordinator(pair) as plain:
         without, _ = turn(plain, history, audio)
     the_same(second, without)
+
+
+def stage_run(address: str, request: stage_pb2.StageRequest) -> list[stage_pb2.StageEvent]:
+    with sync_channel(address) as channel:
+        return list(stage_pb2_grpc.StageStub(channel).Run(request, timeout=60))
+
+
+def refusal(address: str, request: stage_pb2.StageRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        stage_run(address, request)
+    assert "Traceback" not in (caught.value.details() or "")
+    return caught.value
+
+
+def test_an_export_or_a_moved_prefix_that_cannot_be_is_refused_clearly(pair: InProcessCluster) -> None:
+    address = pair.addresses["ar-encoder"]
+    with sync_channel(address) as channel:
+        model = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.StageInfoRequest()).model
+    params = stage_pb2.GenerationParams(
+        model=model,
+        prompt="Nothing kept.",
+        width=64,
+        height=64,
+        num_inference_steps=10,
+        true_cfg_scale=0.5,
+        max_sequence_length=512,
+        options={"audio": "0", "max_new_tokens": "2"},
+    )
+    nothing = stage_pb2.StageRequest(request_id="export", params=params, role="thinker", export_prefix=True)
+    (event,) = stage_run(address, nothing)
+    assert not event.result.output.tensors  # nothing kept of that prompt: an empty output
+    talker = stage_pb2.StageRequest(request_id="export", params=params, role="talker", export_prefix=True)
+    refused = refusal(address, talker)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "keeps no prefixes" in refused.details()
+    misfit = tensor_pb2.StageState(
+        tensors=[encode_inline("prefix.keys.0", torch.zeros(1, 1, 2, 1))],
+        meta={"prefix.length": "2", "prefix.key": "0" * 64},
+    )
+    run = stage_pb2.StageRequest(request_id="misfit", params=params, role="thinker", input=misfit)
+    assert refusal(address, run).code() == grpc.StatusCode.INVALID_ARGUMENT
+    forged = tensor_pb2.StageState(meta={"prefix.length": "2", "prefix.key": "0" * 64})
+    ref = forged.tensors.add(name="prefix.keys.0", dtype="float32", shape=[1, 1, 2, 1], nbytes=8)
+    ref.shm.arena_id, ref.shm.nbytes, ref.shm.lease_id = "0" * 16 + "-0", 8, "forged"
+    run = stage_pb2.StageRequest(request_id="forged", params=params, role="thinker", input=forged)
+    assert refusal(address, run).code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+    (event,) = [e for e in stage_run(address, nothing) if e.HasField("result")]  # still serving
+    wait_until_no_leases(pair)
 
 
 def test_turn_two_recomputes_when_the_prefixs_replica_is_dead(pair: InProcessCluster) -> None:
