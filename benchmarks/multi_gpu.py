@@ -17,9 +17,13 @@ graphs), the faster per size and CFG setting; each replica's p50 over it is prin
 A replica over several GPUs picks its mode per request (--parallel-mode auto, logged in its
 log; runtime/parallel_mode.py).
 
-The one-GPU replica runs at its best setting (torch.compile and CUDA graphs, `auto`); a
-replica over several GPUs compiles its blocks but captures no CUDA graphs (not measured with
-collectives inside yet), so `--one-gpu-eager` adds a 1-GPU row without either.
+Then `--concurrent` requests at once at the smallest size: images/s of each cluster (a replica
+over several GPUs spreads them over its ranks, data parallel).
+
+Both replicas run at their best setting (torch.compile and CUDA graphs, `auto`); a replica over
+several GPUs replays its graphs for the requests that live on one rank and runs spread ones
+(sequence, CFG parallel) compiled without graphs. `--one-gpu-eager` adds a 1-GPU row without
+either; `--parallel-mode` forces where the multi-GPU replica's requests run.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +78,8 @@ def plan_for(args: argparse.Namespace, gpus: int, eager: bool) -> list[Any]:
             proc.environment["OMNISTAGE_DEVICES"] = ",".join(["cpu"] * gpus)
         elif gpus > 1:
             proc.environment["OMNISTAGE_GPUS"] = str(gpus)
+        if gpus > 1:
+            proc.environment["OMNISTAGE_PARALLEL_MODE"] = args.parallel_mode
         if eager:
             proc.environment["OMNISTAGE_COMPILE"] = "off"
             proc.environment["OMNISTAGE_CUDA_GRAPHS"] = "off"
@@ -111,7 +118,35 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
                         "dit_compute_ms": round(dit_ms, 1),
                     }
                 )
+        if args.concurrent:
+            size = min(args.sizes)
+            params = {"width": size, "height": size, "steps": args.steps, "guidance": 1.0}
+            burst(cluster.coordinator, args.concurrent, params)  # compiles what batches bring
+            out[("burst", size)] = burst(cluster.coordinator, args.concurrent, params)
+            emit(
+                {"dit": label, "size": size, "concurrent": args.concurrent, "img_per_s": out[("burst", size)]}
+            )
     return out
+
+
+def burst(coordinator: str, count: int, params: dict[str, Any]) -> float:
+    """Images/s of `count` requests sent at once, each on its own connected client."""
+    clients = [Client(coordinator) for _ in range(count)]
+    try:
+        for client in clients:
+            client.list_models()
+        with ThreadPoolExecutor(count) as pool:
+            started = time.perf_counter()
+            jobs = [
+                pool.submit(c.generate_result, f"{PROMPT} {i}", seed=i, **params)
+                for i, c in enumerate(clients)
+            ]
+            for job in jobs:
+                job.result()
+            return round(count / (time.perf_counter() - started), 3)
+    finally:
+        for client in clients:
+            client.close()
 
 
 def measure_diffusers(args: argparse.Namespace) -> dict[tuple[int, bool], dict[str, float]]:
@@ -161,6 +196,12 @@ def main() -> None:
         "--one-gpu-eager", type=int, default=1, help="1: also the 1-GPU DiT without compile/graphs"
     )
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    parser.add_argument(
+        "--parallel-mode", default="auto", help="the multi-GPU replica's --parallel-mode (auto: per request)"
+    )
+    parser.add_argument(
+        "--concurrent", type=int, default=8, help="requests at once at the smallest size; 0: none"
+    )
     diffusers_best.add_args(parser)
     parser.add_argument(
         "--cpu", action="store_true", help="gloo workers on the CPU: to try the script on a tiny model"
@@ -182,7 +223,12 @@ def main() -> None:
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     summary: dict[str, object] = {"device": device, "steps": args.steps}
     for gpus in args.gpus[1:]:
-        for (size, cfg), (ms, image) in runs[str(gpus)].items():
+        for (size, cfg), value in runs[str(gpus)].items():
+            if size == "burst":  # ("burst", size): images/s
+                key = f"{gpus}gpu_over_{args.gpus[0]}gpu_img_per_s_{cfg}x{args.concurrent}"
+                summary[key] = round(value / base[(size, cfg)], 3)
+                continue
+            ms, image = value
             key = f"{gpus}gpu_over_{args.gpus[0]}gpu_{size}{'_cfg' if cfg else ''}"
             summary[key] = round(ms / base[(size, cfg)][0], 3)
             if "1-eager" in runs:
@@ -201,6 +247,7 @@ def main() -> None:
         "2gpu_over_1gpu_1024": "<= 0.60",
         "2gpu_over_1gpu_1024_cfg": "<= 0.53",
         "2gpu_over_1gpu_512": "<= 1.0",
+        "2gpu_over_1gpu_img_per_s_512x8": ">= 1.9",
         "1gpu_over_diffusers_1024": "<= 0.90",
         "1gpu_over_diffusers_512": "<= 0.6",
     }

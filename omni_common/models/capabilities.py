@@ -126,6 +126,19 @@ class ConfiguresExecution(Protocol):
 
 
 @runtime_checkable
+class SpreadsForwards(Protocol):
+    """A denoiser whose forwards a replica over several devices may spread over them (sequence
+    or CFG parallel) as well as run on one device: while `spread` is set it replays none of its
+    CUDA graphs (each holds a forward of its own device alone), and `rehearse` runs its
+    warm-up's forwards again without graphs, so that the replica can compile the spread shapes
+    before a request meets them."""
+
+    spread: bool
+
+    def rehearse(self) -> None: ...
+
+
+@runtime_checkable
 class SplitsCfgBranches(Protocol):
     """A denoiser whose two CFG branches (conditional, unconditional) may run elsewhere: a
     replica over several devices sets `cfg_branches` to run them on different ones (None: both

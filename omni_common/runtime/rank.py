@@ -35,7 +35,7 @@ from omni_common.models.base import (
     StepRunner,
     StepState,
 )
-from omni_common.models.capabilities import ConfiguresExecution, SplitsCfgBranches
+from omni_common.models.capabilities import ConfiguresExecution, SplitsCfgBranches, SpreadsForwards
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.sequence_parallel import SequenceParallel
@@ -201,16 +201,35 @@ def _load(
     model = family.load(config.stage, Path(config.model_dir), context)
     runner = model.runners[role]
     sp = SequenceParallel(model, plan, world)
-    # torch.compile of the DiT's blocks (auto: on GPUs), the collectives traced inside them
-    # (checked on the CPU with gloo: the latents of eager). Configured once the hooks are in,
-    # inside the whole group, so its warm-up compiles the shapes a sequence parallel forward
-    # takes. No CUDA graphs: not measured with collectives inside.
-    compile_blocks = config.compile == "on" or (config.compile == "auto" and device.type == "cuda")
-    if compile_blocks and isinstance(runner, ConfiguresExecution):
-        with _collective(runner, sp):
-            runner.configure(replace(options, compile=True))
+    if isinstance(runner, ConfiguresExecution):
+        _configure(runner, sp, options, config, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in sp.dit.parameters())
     return runner, sp, weight_bytes  # type: ignore[return-value]
+
+
+def _configure(
+    runner: ConfiguresExecution,
+    sp: SequenceParallel,
+    options: DenoiserOptions,
+    config: StageConfig,
+    device: torch.device,
+) -> None:
+    """The DiT's execution, once the hooks are in: its blocks compiled (--compile, auto: on
+    GPUs) with the collectives traced inside, and CUDA graphs (--cuda-graphs, auto: on GPUs) as
+    a one-device replica has them, for the forwards this rank runs alone (one-device and
+    data-parallel requests). The spread forwards (sequence and CFG parallel) run the compiled
+    blocks without graphs; the warm-up runs each shape alone, then spread inside the whole
+    group, so no request waits for a compile."""
+    on_gpu = device.type == "cuda"
+    compile_blocks = config.compile == "on" or (config.compile == "auto" and on_gpu)
+    # Only a runner that can be told which forwards are spread may hold graphs.
+    graphs = on_gpu and config.cuda_graphs != "off" and isinstance(runner, SpreadsForwards)
+    if not (compile_blocks or graphs):
+        return
+    runner.configure(replace(options, compile=compile_blocks, cuda_graphs=graphs))
+    if compile_blocks and isinstance(runner, SpreadsForwards):
+        with _collective(runner, sp):
+            runner.rehearse()
 
 
 def _serve(
@@ -285,14 +304,19 @@ def _run(
 @contextlib.contextmanager
 def _collective(runner: object, sp: SequenceParallel) -> Iterator[None]:
     """Forwards inside spread over every rank: sequence parallel, and the CFG branches on the
-    two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches)."""
-    if not isinstance(runner, SplitsCfgBranches):
-        with sp.use(sp.full):
-            yield
-        return
-    runner.cfg_branches = sp.branches
+    two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches); none
+    of the runner's graphs replays meanwhile (SpreadsForwards)."""
+    splitter = runner if isinstance(runner, SplitsCfgBranches) else None
+    spreader = runner if isinstance(runner, SpreadsForwards) else None
+    if splitter is not None:
+        splitter.cfg_branches = sp.branches
+    if spreader is not None:
+        spreader.spread = True
     try:
         with sp.use(sp.full):
             yield
     finally:
-        runner.cfg_branches = None
+        if splitter is not None:
+            splitter.cfg_branches = None
+        if spreader is not None:
+            spreader.spread = False

@@ -332,7 +332,8 @@ class GroupRunner:
             self.group.call(commands.Release(own.sid), ranks=own.ranks)
 
     def forget_cuda_graphs(self) -> None:
-        """The ranks capture none."""
+        """The ranks keep theirs: what would call this (a sleep, new weights) is refused on a
+        replica over several devices."""
 
 
 def _own(state: StepState) -> GroupState:

@@ -99,11 +99,13 @@ class QwenImageDenoiser(LatentSteps, TransformerExecution):
         self.compiled = False
         self.modulation: ModulationCache | None = None
         self.warm_up: WarmUp | None = None  # what configure() compiled ahead, and what is left
+        self._warm_up = None
         # Every linear layer of the DiT takes adapters (what diffusers' Qwen-Image LoRA files
         # name); configure() sets their memory bound, directory and batching.
         self.loras = LoraLayers(transformer, read_qwenimage_lora, device=device, dtype=dtype)
         self.lora_grouped = False
         self.devices = 1  # devices one forward is spread over (DenoiserOptions.devices)
+        self.spread = False
         self.runners = {"denoise": self}
 
     @classmethod

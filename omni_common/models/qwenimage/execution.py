@@ -6,8 +6,9 @@ is the half of QwenImageDenoiser that holds them; `configure` sets them up."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +72,14 @@ class TransformerExecution:
     loras: LoraLayers
     lora_grouped: bool
     devices: int  # devices one forward is spread over (DenoiserOptions.devices)
+    # Set by a replica over several devices around the forwards it spreads over them (sequence
+    # or CFG parallel, SpreadsForwards): no graph replays then, each holds a one-device forward.
+    spread: bool
     graphed: GraphedTransformer | None
     compiled: bool
     modulation: ModulationCache | None
     warm_up: WarmUp | None  # what configure() compiled ahead, and what is left
+    _warm_up: Callable[..., WarmUp] | None  # warm_up() with this configuration's shapes
 
     def configure(self, options: DenoiserOptions) -> None:
         """Attention backend, compilation and CUDA graphs, compiled and captured ahead for the
@@ -89,9 +94,10 @@ class TransformerExecution:
             self.transformer.set_attention_backend(options.attention_backend)
         if options.quantization != "none":  # before compiling: the compiled blocks take the FP8 layers
             quantize_blocks(self.transformer, self.device, options.quantization)
-        if options.compile and options.devices == 1:
+        if options.compile:
             # The rewrites of the forward that compiling pays for (same math, other rounding:
-            # the CPU's eager path stays diffusers' bit for bit).
+            # the CPU's eager path stays diffusers' bit for bit). A spread forward takes them
+            # too: they act per token or per request row, never across the image tokens.
             use_real_rotary()  # complex products would stay eager kernels inside compiled blocks
             fuse_gelu_epilogue(self.transformer)  # the feed-forward's GELU in its GEMM's epilogue
             self.modulation = ModulationCache(self.transformer)
@@ -115,22 +121,29 @@ class TransformerExecution:
             )
         if options.compile or options.cuda_graphs:
             config = self.transformer.config
-            self.warm_up = warm_up(
+            self._warm_up = functools.partial(
+                warm_up,
                 lambda inputs, img_shapes: transformer_forward(
                     self.transformer, self._with_modulation(inputs), img_shapes
                 ),
-                self.graphed,
-                [self.img_shape(width, height) for width, height in options.capture_sizes],
-                options.max_batch,
-                config["in_channels"],
-                config["joint_attention_dim"],
-                self.dtype,
-                self.device,
-                defer=options.defer_warm_up and options.compile and compile_cache_is_warm(),
+                img_shapes=[self.img_shape(width, height) for width, height in options.capture_sizes],
+                max_batch=options.max_batch,
+                channels=config["in_channels"],
+                text_dim=config["joint_attention_dim"],
+                dtype=self.dtype,
+                device=self.device,
             )
+            defer = options.defer_warm_up and options.compile and compile_cache_is_warm()
+            self.warm_up = self._warm_up(graphed=self.graphed, defer=defer)
         if self.graphed is not None:
             sizes = [self.img_shape(width, height) for width, height in options.capture_sizes]
             self.graphed.plan_idle_captures(sizes, IDLE_CAPTURE_TOKENS, self.dtype)
+
+    def rehearse(self) -> None:
+        """The warm-up's forwards again, without graphs: a replica over several devices runs
+        them spread (SpreadsForwards), so the compiler meets those shapes before a request."""
+        if self._warm_up is not None:
+            self._warm_up(graphed=None, defer=False)
 
     def _with_modulation(self, inputs: Inputs) -> Inputs:
         """Warm-up inputs with packed modulation rows (zeros) when the forward takes them."""
@@ -171,7 +184,7 @@ class TransformerExecution:
         embeds = embeds.to(self.dtype)
         if self.loras.active:
             modulation = None  # adapters may change the modulation layers: computed in the forward
-        if self.graphed is not None and not self.loras.active:
+        if self.graphed is not None and not self.loras.active and not self.spread:
             replayed = self.graphed(latents, timestep, embeds, mask, img_shapes, modulation)
             if replayed is not None:
                 return replayed

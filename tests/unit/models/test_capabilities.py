@@ -25,6 +25,7 @@ CAPABILITIES = [
         "HasIdleWork",
         "HoldsCudaGraphs",
         "SplitsCfgBranches",
+        "SpreadsForwards",
         "StreamingRunner",
         "SupportsPrefixCache",
         "TakesLoras",
@@ -46,6 +47,7 @@ def test_the_qwenimage_denoiser_takes_loras_works_while_idle_and_splits_its_cfg_
         "HasIdleWork",
         "HoldsCudaGraphs",
         "SplitsCfgBranches",
+        "SpreadsForwards",
         "TakesLoras",
     }
     assert capabilities_of(encoder) == {"HoldsCudaGraphs"}
