@@ -6,19 +6,28 @@ the thinker runner itself (`Thinker.prepare`: processor, prefill, first pick), o
 
 "reused": turn 1 ran first on this runner, so turn 2 finds its prompt's KV in the prefix cache
 and prefills only the new turn; "recomputed": the same turn 2 with the cache emptied first (what
-a replica without the prefix pays). One JSON line per result, then the ratio. Without --model,
-the tiny random fixture (its numbers say little about real size: its prefill is overhead-bound).
+a replica without the prefix pays); "moved": turn 2 on a second Thinker, in a process of its own
+on the same device (another replica), with turn 1's KV moved there as the replicas move it
+(services/coordinator/prefix_move.py): exported from the first Thinker (`export_prefix`), handed
+over by the transport (`export_state` for the receiver: CUDA IPC on one GPU, shm on the CPU),
+imported and installed by the receiver (`prepare` with the moved tensors), which prefills the
+rest; timed from the export to the receiver's first token. One JSON line per result, then the
+ratios. Without --model, the tiny random fixture (its numbers say little about real size: its
+prefill is overhead-bound).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,6 +36,8 @@ import torch
 from omni_common.models.base import ChatTurn, GenerationRequest, StageState
 from omni_common.models.qwen_omni.fixture import build_tiny_fixture
 from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.transport import Consumer, TensorTransport, gpu_uuid, ipc_namespace
+from omnistage.v1 import tensor_pb2
 
 SENTENCE = "Once upon a time, the cat sat on a mat and the dog sang a song. "
 
@@ -59,6 +70,45 @@ def first_token_ms(thinker: Thinker, req: GenerationRequest, device: torch.devic
     return elapsed
 
 
+def receiver(model_dir: Path, device_name: str, dtype_name: str, pipe: Any) -> None:
+    """The second replica's Thinker: for each (request, moved handles) it gets, clears its
+    prefix cache, imports the handles, prepares the turn with them (install + the rest of the
+    prefill + the first pick) and answers whether it hit; None ends it."""
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    thinker = Thinker.load(model_dir, device, dtype, max_slots=2)
+    transport = TensorTransport()
+    pipe.send((transport.host_id, ipc_namespace(), gpu_uuid(device)))
+    while (job := pipe.recv()) is not None:
+        req, wire = job
+        thinker.prefixes.clear()
+        hits = thinker.prefix_stats().hits
+        tensors, meta = asyncio.run(transport.import_state(tensor_pb2.StageState.FromString(wire)))
+        state = thinker.prepare(req, StageState(tensors, meta))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        thinker.finish(state)
+        pipe.send(thinker.prefix_stats().hits == hits + 1)
+    transport.close()
+
+
+def moved_ms(
+    thinker: Thinker, transport: TensorTransport, consumer: Consumer, pipe: Any, req: GenerationRequest
+) -> tuple[float, int, str]:
+    """Turn 2 on the receiver with the prefix moved: the time from the export to its first
+    token, the bytes moved and the kind of handle that moved them."""
+    start = time.perf_counter()
+    moved = thinker.export_prefix(req, StageState({}, {}))
+    wire = transport.export_state(moved.tensors, moved.meta, consumer=consumer)
+    pipe.send((req, wire.SerializeToString()))
+    hit = pipe.recv()
+    elapsed = (time.perf_counter() - start) * 1e3
+    transport.release(transport.lease_ids(wire))
+    if not hit:
+        raise SystemExit("the receiver did not reuse the moved prefix")
+    kinds = {ref.WhichOneof("location") for ref in wire.tensors}
+    return elapsed, sum(ref.nbytes for ref in wire.tensors), "+".join(sorted(kinds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -76,12 +126,28 @@ def main() -> None:
         (*turn1.messages, ChatTurn("assistant", (("text", "No."),)), ChatTurn("user", (("text", "Why?"),)))
     )
     first_token_ms(thinker, turn1, device)  # warm-up, and the prefix turn 2 reuses
-    results: dict[str, list[float]] = {"reused": [], "recomputed": []}
-    for _ in range(args.rounds):
-        first_token_ms(thinker, turn1, device)
-        results["reused"].append(first_token_ms(thinker, turn2, device))
-        thinker.prefixes.clear()
-        results["recomputed"].append(first_token_ms(thinker, turn2, device))
+    pipe, child_pipe = multiprocessing.get_context("spawn").Pipe()
+    child = multiprocessing.get_context("spawn").Process(
+        target=receiver, args=(model_dir, args.device, args.dtype, child_pipe)
+    )
+    child.start()
+    transport = TensorTransport()
+    consumer = Consumer(*pipe.recv())
+    results: dict[str, list[float]] = {"reused": [], "recomputed": [], "moved": []}
+    moved_bytes, handles = 0, ""
+    try:
+        moved_ms(thinker, transport, consumer, pipe, turn2)  # the receiver's warm-up
+        for _ in range(args.rounds):
+            first_token_ms(thinker, turn1, device)
+            results["reused"].append(first_token_ms(thinker, turn2, device))
+            elapsed, moved_bytes, handles = moved_ms(thinker, transport, consumer, pipe, turn2)
+            results["moved"].append(elapsed)
+            thinker.prefixes.clear()
+            results["recomputed"].append(first_token_ms(thinker, turn2, device))
+    finally:
+        pipe.send(None)
+        child.join(60)
+        transport.close()
     prompt = thinker.processor.tokenizer.apply_chat_template(  # type: ignore[union-attr]
         [{"role": t.role, "content": t.parts[0][1]} for t in turn2.messages],
         tokenize=True,
@@ -91,8 +157,14 @@ def main() -> None:
     medians = {name: statistics.median(times) for name, times in results.items()}
     for name, median in medians.items():
         line = {"case": name, "turn2_prompt_tokens": len(prompt), "first_token_ms_p50": round(median, 2)}
+        if name == "moved":
+            line |= {"moved_bytes": moved_bytes, "handles": handles}
         print(json.dumps({**line, "device": str(device), "dtype": args.dtype, "rounds": args.rounds}))
-    print(json.dumps({"ratio_recomputed_over_reused": round(medians["recomputed"] / medians["reused"], 2)}))
+    ratios = {
+        "ratio_recomputed_over_reused": round(medians["recomputed"] / medians["reused"], 2),
+        "ratio_recomputed_over_moved": round(medians["recomputed"] / medians["moved"], 2),
+    }
+    print(json.dumps(ratios))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from omni_common.models.base import DenoiserOptions, StageState, StepState
+from omni_common.models.base import DenoiserOptions, GenerationRequest, StageState, StepState
 from omni_common.models.lora import LoraLayers
 
 Branch = Callable[[], torch.Tensor]
@@ -89,6 +89,17 @@ class SupportsPrefixCache(Protocol):
 
     def prefix_stats(self) -> Any:
         """A prefix_cache.PrefixStats."""
+        ...
+
+
+@runtime_checkable
+class ExportsPrefixes(Protocol):
+    """A generator whose kept prefix KV another replica can install (StageRequest.export_prefix,
+    prefix_transfer.py): a conversation's next turn then runs there without its earlier turns'
+    prefill."""
+
+    def export_prefix(self, request: GenerationRequest, inputs: StageState) -> StageState:
+        """The KV of the longest kept prefix of `request`'s prompt (empty when none)."""
         ...
 
 

@@ -76,6 +76,21 @@ class PrefixCache:
     def lookup(self, length: int, key_of: Callable[[int], str], *, rows: bool) -> PrefixEntry | None:
         """The longest entry shorter than `length` whose key is `key_of(its length)` (and that
         has rows, when `rows`); it becomes the most recently used. Counted as a hit or a miss."""
+        found = self.peek(length, key_of, rows=rows)
+        if found is None:
+            self._misses += 1
+            return None
+        key, entry = found
+        self._entries.move_to_end(key)
+        self._hits += 1
+        self._reused += entry.length
+        return entry
+
+    def peek(
+        self, length: int, key_of: Callable[[int], str], *, rows: bool
+    ) -> tuple[str, PrefixEntry] | None:
+        """`lookup`'s entry and its key, neither counted nor made the most recently used (an
+        export for another replica: this one's prefill did not reuse it)."""
         lengths = sorted(
             {entry.length for entry in self._entries.values() if entry.length < length}, reverse=True
         )
@@ -83,11 +98,7 @@ class PrefixCache:
             key = key_of(candidate)
             entry = self._entries.get(key)
             if entry is not None and (entry.rows is not None or not rows):
-                self._entries.move_to_end(key)
-                self._hits += 1
-                self._reused += entry.length
-                return entry
-        self._misses += 1
+                return key, entry
         return None
 
     def put(self, key: str, entry: PrefixEntry) -> None:

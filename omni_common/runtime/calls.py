@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from omni_common.models.base import GenerationRequest, RoleCall, StageState
@@ -48,6 +49,8 @@ class StageCall:
     inbox: Inbox | None = None
     # Requests like this one on their way to this stage (StageRequest.followers).
     followers: int = 0
+    # Return the role's kept prefix KV instead of running it (StageRequest.export_prefix).
+    export_prefix: bool = False
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -55,3 +58,12 @@ class StageCall:
     def role_call(self) -> RoleCall:
         """What a batch or async runner sees of this call."""
         return RoleCall(self.request, self.inputs, self.deadline, self.request_id)
+
+
+def finished_with(meta: Mapping[str, str]) -> int:
+    """Requests whose step-wise stage finished them in the same step as the output of this
+    `meta` (its FINISHED_WITH): on their way to the same next stage."""
+    try:
+        return max(0, int(meta.get(FINISHED_WITH, "0")))
+    except ValueError:
+        return 0

@@ -338,6 +338,15 @@ class CoordinatorConfig(ServiceConfig):
         "conversations whose thinker replica is remembered, to send the next turn where the "
         "earlier turns' KV is kept (0 = off: the least-loaded replica)",
     )
+    # services/coordinator/prefix_move.py: a turn that runs away from its prefix's replica gets
+    # that KV moved by handle when the move takes less time than prefilling it at this rate.
+    prefix_prefill_tokens_per_s: float = setting(
+        10000.0,
+        "the thinker's prefill rate, tokens/s, on the replicas' devices (benchmarks/"
+        "omni_prefix_reuse.py measures it): a chat turn sent away from the replica keeping its "
+        "earlier turns' KV gets that KV moved when moving it is faster than prefilling it at this "
+        "rate, else recomputes it (0 = always recompute)",
+    )
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:

@@ -296,6 +296,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             resume=resume,
             inbox=inbox,
             followers=request.followers,
+            export_prefix=request.export_prefix,
         )
 
     async def _events(

@@ -31,7 +31,7 @@ from omni_common.models.base import (
     StageModel,
     StageState,
 )
-from omni_common.models.capabilities import CachesFromWeights, HoldsCudaGraphs
+from omni_common.models.capabilities import CachesFromWeights, ExportsPrefixes, HoldsCudaGraphs
 from omni_common.models.model_defaults import read_model_defaults
 from omni_common.models.registry import family_for_model_dir, model_name_for_dir
 from omni_common.models.validation import check_takes_loras
@@ -250,12 +250,23 @@ class Worker(LoraControl):
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Progress events, then one StageState holding at least `call.outputs` (all when empty)."""
         handler = self.handler(call.role)
+        if call.export_prefix:
+            yield await self._export_prefix(call)
+            return
         if call.inbox is not None and not handler.streams:
             raise InvalidArgument(f"role {call.role or self.roles[0]!r} does not take streamed inputs")
         if call.request.loras:
             await self.preload_loras([name for name, _ in call.request.loras])
         async for item in handler.run(call):
             yield item
+
+    async def _export_prefix(self, call: StageCall) -> StageState:
+        """The role's kept prefix KV of `call`'s prompt, read on the compute thread (between
+        the role's steps, which write that cache)."""
+        runner = self.model.runners[call.role or self.roles[0]]
+        if not isinstance(runner, ExportsPrefixes):
+            raise InvalidArgument(f"role {call.role or self.roles[0]!r} keeps no prefixes to export")
+        return await self.compute(runner.export_prefix, call.request, call.inputs)
 
     def manage_memory(
         self,

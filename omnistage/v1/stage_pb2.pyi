@@ -71,7 +71,7 @@ class LoraRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace", "role", "streaming", "followers")
+    __slots__ = ("request_id", "params", "input", "consumer_host_id", "progress_every", "outputs", "preview_every", "checkpoint_every", "resume", "consumer_gpu_uuid", "consumer_ipc_namespace", "role", "streaming", "followers", "export_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class StageRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
     FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     params: GenerationParams
     input: _tensor_pb2.StageState
@@ -100,7 +101,8 @@ class StageRequest(_message.Message):
     role: str
     streaming: bool
     followers: int
-    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_gpu_uuid: _Optional[str] = ..., consumer_ipc_namespace: _Optional[int] = ..., role: _Optional[str] = ..., streaming: _Optional[bool] = ..., followers: _Optional[int] = ...) -> None: ...
+    export_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., input: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_host_id: _Optional[str] = ..., progress_every: _Optional[int] = ..., outputs: _Optional[_Iterable[str]] = ..., preview_every: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., resume: _Optional[_Union[_tensor_pb2.StageState, _Mapping]] = ..., consumer_gpu_uuid: _Optional[str] = ..., consumer_ipc_namespace: _Optional[int] = ..., role: _Optional[str] = ..., streaming: _Optional[bool] = ..., followers: _Optional[int] = ..., export_prefix: _Optional[bool] = ...) -> None: ...
 
 class StepProgress(_message.Message):
     __slots__ = ("step", "total", "step_ms", "preview_png", "checkpoint", "partial")

@@ -11,9 +11,9 @@ when it is healthy and not much busier than the best (registry.ReplicaPool.pick)
 replica that is gone, drained or no longer serves the role is forgotten when met, and one lost
 mid-call at once.
 
-Moving the KV to another replica by handle (shm, CUDA IPC or fetch) instead is not done: when
-the preferred replica is busy or gone, the other one recomputes the prefix. Which is cheaper
-depends on the KV's size and the link at real size, which is not measured yet.
+When the preferred replica is much busier, the turn runs elsewhere and its prefix KV moves
+there by handle when that is cheaper than recomputing it (prefix_move.py); when it is gone, the
+other replica recomputes the prefix.
 """
 
 from __future__ import annotations
@@ -63,6 +63,12 @@ class PrefixRoutes:
             self._routes.move_to_end(f"{model}|{key}")
             return address
         return ""
+
+    def holder(self, model: str, keys: PrefixKeys | None) -> str:
+        """The replica remembered for the longest of `keys.reuses`, usable or not ("" if none)."""
+        if keys is None or self.max_entries <= 0:
+            return ""
+        return next((a for key in keys.reuses if (a := self._routes.get(f"{model}|{key}"))), "")
 
     def count(self, keys: PrefixKeys | None, preferred: str, chosen: str) -> None:
         """Count where a call that continues a conversation went."""

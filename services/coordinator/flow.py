@@ -41,7 +41,7 @@ from omni_common.errors import NotFound, OmniError, Unavailable
 from omni_common.input_media import INPUT_PREFIX
 from omni_common.models.base import Plan, PlanStep
 from omni_common.net import tracing
-from omni_common.runtime.calls import FINISHED_WITH
+from omni_common.runtime.calls import finished_with
 from omni_common.transport import Consumer, TensorTransport
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, tensor_pb2
@@ -51,6 +51,7 @@ from services.coordinator.leases import Leases, release_later
 from services.coordinator.offload import SwapPolicy
 from services.coordinator.output_cache import StepOutputCache
 from services.coordinator.plan_run import PlanRun
+from services.coordinator.prefix_move import PrefixMoves, with_prefix
 from services.coordinator.registry import Replica, ReplicaPool
 from services.coordinator.request import Emit, FlowRequest, StepOutput
 from services.coordinator.results import result_outputs, send_audio, send_result
@@ -76,9 +77,11 @@ class RequestFlow:
         cache: StepOutputCache | None = None,
         replica_wait_s: float = 0.0,
         routes: PrefixRoutes | None = None,
+        moves: PrefixMoves | None = None,
     ) -> None:
         self.pool = pool
         self.routes = routes if routes is not None else PrefixRoutes(0)
+        self.moves = moves or PrefixMoves(pool, transport, 0.0, stage_timeout_s)  # 0: never move
         self.replica_wait_s = replica_wait_s
         self.offload = offload
         self.transport = transport
@@ -141,8 +144,11 @@ class RequestFlow:
         with self._counted(req, step):
             tried: set[str] = set()
             model = req.params.model
+            holder = self.routes.holder(model, step.prefixes)  # before _replica_for forgets it
             for _ in range(ATTEMPTS):
                 replica = await self._replica_for(req, step, near, frozenset(tried))
+                source, holder = holder, ""  # one move a step
+                moved = await self.moves.fetch(req, step, source, replica, inputs, self._export_media)
                 consumer = Consumer(self.transport.host_id)
                 # Outputs suit the next step's likely replica; with none now (one restarting) they
                 # suit this process, which any replica can fetch from.
@@ -154,7 +160,8 @@ class RequestFlow:
                     if info is not None:
                         consumer = Consumer(info.host_id, info.ipc_namespace, info.gpu_uuid)
                 try:
-                    state = await self._call(req, step, replica, inputs, consumer, outputs, stream_in)
+                    joined = with_prefix(inputs, moved)
+                    state = await self._call(req, step, replica, joined, consumer, outputs, stream_in)
                     self.routes.remember(model, step.prefixes, replica.address)
                     return StepOutput(step, replica.address, state)
                 except ReplicaLost as lost:
@@ -168,12 +175,18 @@ class RequestFlow:
                         raise lost.own_error from None
                     log.warning("request %s: %s; moving on", req.request_id, lost.message)
                 except NotFound:
+                    if moved is not None:  # its holder's leases ended first: the prefix is computed
+                        log.warning("request %s: the moved prefix is gone", req.request_id)
+                        continue
                     if step.name not in req.checkpoints:
                         raise
                     log.warning(
                         "request %s: %s checkpoint gone; restarting the step", req.request_id, step.name
                     )
                     req.leases.drop(*req.checkpoints.pop(step.name))
+                finally:
+                    if moved is not None:  # read by the call now, or never
+                        req.leases.drop(source, moved)
             raise Unavailable(
                 f"request {req.request_id}: no {step.stage} replica could finish {step.name}; retry later"
             )
@@ -278,7 +291,7 @@ class RequestFlow:
             preview_every=req.options.preview_every if step.progress == "steps" else 0,
             outputs=outputs,
             streaming=stream_in is not None,
-            followers=self.followers(req, step) if step.progress == "steps" else _finished_with(inputs),
+            followers=self.followers(req, step) if step.progress == "steps" else finished_with(inputs.meta),
         )
         if step.resumable:
             # Checkpoints serve failover: without another replica to resume on they only cost.
@@ -435,12 +448,3 @@ class RequestFlow:
         kept = self.transport.export_state(tensors, meta)
         req.leases.add(self.transport.address, kept)
         return kept
-
-
-def _finished_with(inputs: tensor_pb2.StageState) -> int:
-    """Requests whose step-wise stage finished them in the same step as these inputs' (its
-    FINISHED_WITH meta): on their way to the same next stage."""
-    try:
-        return max(0, int(inputs.meta.get(FINISHED_WITH, "0")))
-    except ValueError:
-        return 0

@@ -53,6 +53,7 @@ from services.coordinator.affinity import PrefixRoutes
 from services.coordinator.flow import RequestFlow
 from services.coordinator.offload import SwapPolicy
 from services.coordinator.output_cache import StepOutputCache
+from services.coordinator.prefix_move import PrefixMoves
 from services.coordinator.registry import ModelView, RegistryServicer, ReplicaPool
 
 log = logging.getLogger("omnistage.coordinator")
@@ -87,6 +88,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             cache=cache,
             replica_wait_s=config.replica_wait_s,
             routes=PrefixRoutes(config.prefix_routes, registry=self.metrics.registry),
+            moves=PrefixMoves(
+                pool,
+                transport,
+                config.prefix_prefill_tokens_per_s,
+                config.stage_timeout_s,
+                registry=self.metrics.registry,
+            ),
         )
         self.max_pixels = config.max_pixels
         self.max_in_flight = config.max_in_flight

@@ -42,6 +42,7 @@ from omni_common.models.prefix_cache import (
     PrefixStats,
     prefix_key,
 )
+from omni_common.models.prefix_transfer import entry_of, kv_shape_of, prefix_state, split_moved
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.options import option_int, speaker_of
 from omni_common.models.qwen_omni.processor import OmniProcessor, ThinkerPrompt, load_processor
@@ -130,6 +131,7 @@ class Thinker(SlotGenerator):
         self.tokenizer: Any = processor.tokenizer
         self.prefixes = PrefixCache(prefix_bytes)
         config: Any = model.config
+        self.kv_shape = kv_shape_of(config.get_text_config(), dtype)  # what a moved prefix must be
         self.media_token_ids = torch.tensor(
             [config.audio_token_index, config.image_token_index, config.video_token_index], device=device
         )
@@ -191,13 +193,24 @@ class Thinker(SlotGenerator):
         return self.prefixes.stats
 
     @torch.no_grad()
+    def export_prefix(self, request: GenerationRequest, inputs: StageState) -> StageState:
+        """The KV of the longest prefix of `request`'s prompt kept here, for another replica
+        (ExportsPrefixes; prefix_transfer.py); empty when none is."""
+        prompt = ThinkerPrompt.of(self.processor, self.model, request, inputs.tensors, self.device)
+        found = self.prefixes.peek(prompt.length, prompt.key, rows=bool(option_int(request, "audio")))
+        return StageState(tensors={}, meta={}) if found is None else prefix_state(*found)
+
+    @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> ThinkerState:
         """The prompt's prefill, which picks the first token; a prefix of the prompt whose KV this
-        replica kept (an earlier turn of the conversation) is not computed again. A prompt with
-        more than `prefill_chunk_tokens` tokens left to compute is prefilled by the steps
-        instead, a chunk each (`step`)."""
+        replica kept (an earlier turn of the conversation), or that came with the inputs from
+        another replica, is not computed again. A prompt with more than `prefill_chunk_tokens`
+        tokens left to compute is prefilled by the steps instead, a chunk each (`step`)."""
         speaker(self.speakers, speaker_of(request))  # an unknown speaker fails here, not mid-prefill
-        prompt = ThinkerPrompt.of(self.processor, self.model, request, inputs.tensors, self.device)
+        tensors, moved = split_moved(inputs.tensors)
+        prompt = ThinkerPrompt.of(self.processor, self.model, request, tensors, self.device)
+        if moved:
+            self._install(prompt, moved, inputs.meta)
         total = option_int(request, "max_new_tokens")
         length = prompt.length
         speak = bool(option_int(request, "audio"))
@@ -233,6 +246,13 @@ class Thinker(SlotGenerator):
             self.slots.release(slot)
             raise
         return state
+
+    def _install(self, prompt: ThinkerPrompt, moved: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """Keep a prefix moved from another replica, checked against this model, when it is a
+        prefix of `prompt` (its key says so); else the prompt is computed in full."""
+        key, entry = entry_of(moved, meta, self.kv_shape, self.device)
+        if entry.length < prompt.length and prompt.key(entry.length) == key:
+            self.prefixes.put(key, entry)
 
     def _decode_positions(self, state: ThinkerState) -> torch.Tensor | None:
         """The graphed decode's rope positions for `state`'s picked tokens: past the prompt,

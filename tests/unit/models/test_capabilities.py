@@ -21,6 +21,7 @@ CAPABILITIES = [
     for name in (
         "CachesFromWeights",
         "ConfiguresExecution",
+        "ExportsPrefixes",
         "HasIdleWork",
         "HoldsCudaGraphs",
         "SplitsCfgBranches",
@@ -65,6 +66,7 @@ def test_the_qwen_omni_roles_stream_and_the_thinker_keeps_a_prefix_cache(omni_mo
     assert set(runners) == {"thinker", "talker", "token2wav", "vocoder"}
     assert all(isinstance(runner, capabilities.StreamingRunner) for runner in runners.values())
     assert {"SupportsPrefixCache", "CachesFromWeights"} <= capabilities_of(runners["thinker"])
+    assert "ExportsPrefixes" in capabilities_of(runners["thinker"])
     assert not any(isinstance(runner, capabilities.TakesLoras) for runner in runners.values())
     assert not any(isinstance(runner, capabilities.HasIdleWork) for runner in runners.values())
 

@@ -38,8 +38,11 @@ def clip(seed: int) -> bytes:
     return wav_bytes(noise, 16_000)
 
 
-def turn(thinker: Thinker, turns: tuple[ChatTurn, ...], audio: bytes) -> list[int]:
-    """Prefill and 4 greedy tokens (stepped alone); the tokens."""
+def turn(
+    thinker: Thinker, turns: tuple[ChatTurn, ...], audio: bytes, moved: StageState | None = None
+) -> list[int]:
+    """Prefill and 4 greedy tokens (stepped alone), with a prefix `moved` from another thinker
+    among the inputs (prefix_transfer.py) when given; the tokens."""
     request = GenerationRequest(
         prompt="",
         messages=turns,
@@ -47,7 +50,8 @@ def turn(thinker: Thinker, turns: tuple[ChatTurn, ...], audio: bytes) -> list[in
         options=(("audio", "0"), ("max_new_tokens", "4")),
     )
     tensors = {input_audio_name(0): torch.frombuffer(bytearray(audio), dtype=torch.uint8)}
-    state = thinker.prepare(request, StageState(tensors, {}))
+    extra = moved or StageState({}, {})
+    state = thinker.prepare(request, StageState(tensors | extra.tensors, dict(extra.meta)))
     while not thinker.is_done(state):
         thinker.step([state])
     tokens = state.generated.tolist()
