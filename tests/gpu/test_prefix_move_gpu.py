@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_prefix_moves_by_cuda_ipc_and_is_reused(omni_model: Path) -> None:
     script = REPO / "benchmarks" / "omni_prefix_reuse.py"
     command = [sys.executable, str(script), "--model", str(omni_model), "--device", "cuda", "--rounds", "1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
