@@ -1,6 +1,7 @@
 """What StopProfile costs the requests a replica serves meanwhile (issue 38, finding 3).
 
     python benchmarks/profile_stop.py [--ops 20000 100000] [--requests 8] [--trials 3]
+                                      [--busy N] [--idle-ms MS]
 
 A stand-in replica: one compute thread runs every task and, after each, the profiler's
 `after_task` (as Worker does); a request is `--steps` tasks, each a forward of a small
@@ -21,6 +22,10 @@ request sent with StopProfile (the one a stall would hit), the median and worst 
 all requests that overlapped StopProfile (from the call until the trace was on disk), the
 seconds StopProfile took, the longest wait of a thread that wakes every 10 ms (the event
 loop's view), the trace's size.
+
+`--busy N` runs N busy loops (nice 0) throughout, as other tenants of a shared machine do;
+`--idle-ms` makes the client wait between requests during the stop (a replica with spare
+capacity; 0, the default, keeps it busy, and the merge then waits its patience).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -65,7 +72,7 @@ class Stalls:
 
 
 class Replica:
-    """A compute thread that runs tasks and, after each, the profiler's after_task."""
+    """A compute thread that runs tasks between the profiler's before_task and after_task."""
 
     def __init__(self, profiler: StageProfiler, steps: int) -> None:
         self.profiler = profiler
@@ -79,6 +86,7 @@ class Replica:
         return self.compute.submit(self._bounded, fn, args).result()
 
     def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        self.profiler.before_task()
         try:
             return fn(*args)
         finally:
@@ -107,7 +115,7 @@ class Replica:
         self.compute.shutdown()
 
 
-def during_stop(replica: Replica) -> tuple[list[float], float, float, Path]:
+def during_stop(replica: Replica, idle_s: float) -> tuple[list[float], float, float, Path]:
     """Requests back to back while StopProfile runs: their latencies, the stop's seconds,
     the event loop's longest wait, the trace."""
     latencies: list[float] = []
@@ -118,6 +126,7 @@ def during_stop(replica: Replica) -> tuple[list[float], float, float, Path]:
         stopping.wait()
         while not done.is_set():
             latencies.append(replica.request())
+            done.wait(idle_s)
 
     thread = threading.Thread(target=client)
     thread.start()
@@ -147,7 +156,7 @@ def measure(ops: int, mode: str, args: argparse.Namespace, root: Path) -> dict[s
     for trial in range(args.trials):
         replica.run(profiler.start, f"{mode}-{ops}-{trial}")
         profiled += [replica.request() for _ in range(max(1, ops // per_request))]
-        latencies, stop_s, stall, trace = during_stop(replica)
+        latencies, stop_s, stall, trace = during_stop(replica, args.idle_ms / 1000)
         first.append(latencies[0])
         overlapping += latencies
         stops.append(stop_s)
@@ -184,13 +193,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=3, help="StopProfile calls per size and mode")
     parser.add_argument("--modes", nargs="+", default=["segments", "one-recording"])
+    parser.add_argument("--busy", type=int, default=0, help="busy loops running meanwhile (other tenants)")
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="the client's wait between requests")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as root:
-        for ops in args.ops:
-            for mode in args.modes:
-                result = measure(ops, mode, args, Path(root) / "profiles")
-                print(json.dumps(result), flush=True)
+    loop = [sys.executable, "-c", "while True: pass"]
+    busy = [subprocess.Popen(loop) for _ in range(args.busy)]
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for ops in args.ops:
+                for mode in args.modes:
+                    result = measure(ops, mode, args, Path(root) / "profiles")
+                    print(json.dumps(result), flush=True)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 if __name__ == "__main__":

@@ -15,9 +15,14 @@ What keeps a profile from hurting serving (issue 38):
   after the segment began, since each end synchronizes the device) it ends the segment and
   saves it (the cost lands on the task whose events they are, as profiling overhead) and
   records the next. StopProfile ends only the last segment; a process of its own
-  (trace_merge.py, exec'd, never a fork of this one, at low priority) joins the segments
-  into the trace while the replica serves (benchmarks/profile_stop.py: request latency while
-  StopProfile runs, against one recording for the session);
+  (trace_merge.py, exec'd, never a fork of this one) joins the segments into the trace;
+- that process runs only while the compute thread runs no task (IdleMerges: paused with
+  SIGSTOP from `before_task` to the end of `after_task`): on 2 shared vCPUs any process
+  running beside a request slowed it 1.4-2.1x, whatever its priority
+  (benchmarks/profile_stop.py). A merge runs beside the tasks too once it has waited
+  `merge_patience_s`, so StopProfile, which replies once the trace is written, returns in
+  bounded time from a replica that is never idle. Should the replica die while a merge is
+  paused, the kernel continues it (trace_merge.py asks for SIGCONT at its parent's death);
 - a session stops itself after `max_seconds`, or once its saved segments or the process's
   growth in resident memory since it started pass `max_bytes` (a client that never sends
   StopProfile, a Ctrl-C, a crash): the compute thread checks after each of its tasks;
@@ -36,10 +41,12 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,6 +64,8 @@ MAX_BYTES = 1 << 30
 # On CUDA a segment's end synchronizes the device: one a second at most (CPU: every task).
 SEGMENT_S_CUDA = 1.0
 MERGE_TIMEOUT_S = 1800.0
+# A merge paused while tasks run (IdleMerges) runs beside them after this long.
+MERGE_PATIENCE_S = 30.0
 MERGE_SCRIPT = Path(__file__).with_name("trace_merge.py")
 
 
@@ -112,10 +121,93 @@ class ProfileSession:
     saved_bytes: int = 0
 
 
+class IdleMerges:
+    """The processes (trace_merge.py) that join sessions' segments into their traces, each
+    paused (SIGSTOP) while the compute thread runs a task and continued (SIGCONT) once it runs
+    none, until it has waited `patience_s`; `task_starts` and `task_ends` come from the
+    compute thread, a thread of its own starts and waits for each process."""
+
+    def __init__(self, stage: str, patience_s: float) -> None:
+        self.stage = stage
+        self.patience_s = patience_s
+        self._lock = threading.Lock()
+        self._held: dict[subprocess.Popen[str], float] = {}  # a merge -> when it became pausable
+        self._busy = False  # a task is running on the compute thread
+        self._closing = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-profile-merge")
+
+    def submit(self, segments: Path, trace: Path) -> Future[Path]:
+        """The segments joined into `trace` by trace_merge.py in a process of its own, started
+        here, between tasks (no fork of this one: it only execs; -I -S: the script needs the
+        standard library alone, from wherever this package was loaded); the trace's file once
+        written, the segments' directory removed."""
+        argv = [sys.executable, "-I", "-S", str(MERGE_SCRIPT), str(segments), str(trace)]
+        pipe = subprocess.PIPE
+        try:
+            process = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
+        except OSError:
+            shutil.rmtree(segments, ignore_errors=True)
+            raise
+        return self._pool.submit(self._merge, process, segments, trace)
+
+    def task_starts(self) -> None:
+        with self._lock:
+            self._busy = True
+            for process, since in self._held.items():
+                self._pause(process, since)
+
+    def task_ends(self) -> None:
+        with self._lock:
+            self._busy = False
+            for process in self._held:
+                process.send_signal(signal.SIGCONT)  # a no-op once it has exited
+
+    def _pause(self, process: subprocess.Popen[str], since: float) -> None:
+        if not self._closing and time.monotonic() - since < self.patience_s:
+            process.send_signal(signal.SIGSTOP)
+
+    def _merge(self, process: subprocess.Popen[str], segments: Path, trace: Path) -> Path:
+        """Waits for the merge. The process says `ready` once the kernel would continue it
+        should this one die, and merges after `go`: it is paused from then on whenever a
+        task runs (a task running now: before it reads `go`)."""
+        try:
+            with process:
+                assert process.stdout is not None
+                if process.stdout.readline() == "ready\n":
+                    with self._lock:
+                        self._held[process] = time.monotonic()
+                        if self._busy:
+                            self._pause(process, self._held[process])
+                try:
+                    _, error = process.communicate("go\n", timeout=MERGE_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    _, error = process.communicate()
+                finally:
+                    with self._lock:
+                        self._held.pop(process, None)
+        finally:
+            shutil.rmtree(segments, ignore_errors=True)
+        if process.returncode != 0:
+            trace.unlink(missing_ok=True)
+            log.error("%s: merging a profile's segments failed; the profile is dropped", self.stage)
+            raise RuntimeError(f"merging the profile's segments failed: {error.strip()[-500:]}")
+        return trace
+
+    def close(self) -> None:
+        """Continue every paused merge and wait for them: none is left behind."""
+        with self._lock:
+            self._closing = True
+            for process in self._held:
+                process.send_signal(signal.SIGCONT)
+        self._pool.shutdown(wait=True)
+
+
 class StageProfiler:
-    """At most one trace at a time; `start`, `stop`, `after_task` and `close` run on the
-    compute thread (torch keeps a recording in the state of the thread that started it), the
-    segments are joined into the trace by a process of its own."""
+    """At most one trace at a time; `start`, `stop`, `before_task`, `after_task` and `close`
+    run on the compute thread (torch keeps a recording in the state of the thread that
+    started it), the segments are joined into the trace by a process of its own that runs
+    while that thread is idle."""
 
     def __init__(
         self,
@@ -126,6 +218,7 @@ class StageProfiler:
         max_seconds: float = MAX_SECONDS,
         max_bytes: int = MAX_BYTES,
         segment_s: float | None = None,
+        merge_patience_s: float = MERGE_PATIENCE_S,
     ) -> None:
         self.stage = stage
         self.device = device
@@ -136,7 +229,7 @@ class StageProfiler:
             segment_s = SEGMENT_S_CUDA if device.type == "cuda" else 0.0
         self.segment_s = segment_s
         self._session: ProfileSession | None = None
-        self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-profile-merge")
+        self._merges = IdleMerges(stage, merge_patience_s)
         # A session that stopped itself: its trace's file (being merged) and seconds recorded,
         # until StopProfile collects them.
         self._stopped: tuple[Future[Path], float] | None = None
@@ -174,10 +267,20 @@ class StageProfiler:
         recording.start()
         return recording
 
+    def before_task(self) -> None:
+        """A task of the compute thread starts: merges pause."""
+        self._merges.task_starts()
+
     def after_task(self) -> None:
-        """Between two tasks of the compute thread: stop a session past its time or size
-        bound, else end a segment `segment_s` old and record the next. A failure here drops
-        the profile, never the task's own result."""
+        """After a task of the compute thread: stop a session past its time or size bound,
+        else end a segment `segment_s` old and record the next, then let merges run. A
+        failure here drops the profile, never the task's own result."""
+        try:
+            self._segment_after_task()
+        finally:
+            self._merges.task_ends()
+
+    def _segment_after_task(self) -> None:
         session = self._session
         if session is None:
             return
@@ -238,15 +341,16 @@ class StageProfiler:
             raise
         seconds = time.monotonic() - session.started
         trace = session.directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(session):x}.json"
-        return self._merger.submit(_merge, session.segments, trace), seconds
+        return self._merges.submit(session.segments, trace), seconds
 
     def close(self) -> None:
         """Drop a running session (the compute thread, before it ends: a recording left in
-        an ended thread's state crashes the process at exit) and wait for merges."""
+        an ended thread's state crashes the process at exit) and wait for merges, paused
+        ones continued."""
         session, self._session = self._session, None
         if session is not None:
             _drop(session)
-        self._merger.shutdown(wait=True)
+        self._merges.close()
 
 
 def _drop(session: ProfileSession) -> None:
@@ -254,20 +358,6 @@ def _drop(session: ProfileSession) -> None:
     with contextlib.suppress(Exception):  # already stopped: torch warns or raises
         session.recording.stop()
     shutil.rmtree(session.segments, ignore_errors=True)
-
-
-def _merge(segments: Path, trace: Path) -> Path:
-    """The segments joined into `trace` by trace_merge.py in a process of its own (no fork
-    of this one: it only execs; -I: the script needs the standard library alone, from
-    wherever this package was loaded), then their directory removed."""
-    argv = [sys.executable, "-I", str(MERGE_SCRIPT), str(segments), str(trace)]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=MERGE_TIMEOUT_S, check=False)
-    finally:
-        shutil.rmtree(segments, ignore_errors=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"merging the profile's segments failed: {done.stderr.strip()[-500:]}")
-    return trace
 
 
 def _write(prof: profile, trace: Path) -> Path:

@@ -1,6 +1,6 @@
 """Joins the segment files of one profile into one Chrome trace, in a process of its own.
 
-    python -I omni_common/runtime/trace_merge.py SEGMENTS OUT   (the standard library only)
+    python -I -S omni_common/runtime/trace_merge.py SEGMENTS OUT   (the standard library only)
 
 StageProfiler (profiler.py) ends its recording in short segments, each saved as torch's
 Chrome trace JSON under SEGMENTS (000001.json, ...). This process streams them, in name
@@ -9,18 +9,26 @@ names once), timestamps moved onto the first segment's base time. It runs outsid
 replica because parsing and writing hundreds of MB would hold the replica's GIL: a separate
 process holds none (and runs at a lower priority). OUT is made fresh (O_EXCL | O_NOFOLLOW,
 0600); each segment is deleted once copied, so the disk holds at most one segment twice.
+
+The replica pauses this process (SIGSTOP) while it computes (profiler.IdleMerges). So it
+first asks the kernel for SIGCONT when the replica dies (a paused process would otherwise
+be left behind, stopped), then writes `ready` and merges once it reads `go`: a replica that
+died before can no longer pause it, and one alive has paused it if a task is running.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 FRESH = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def segment_files(segments: Path) -> list[Path]:
@@ -78,9 +86,23 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -I trace_merge.py SEGMENTS OUT", file=sys.stderr)
         return 2
-    os.nice(10)  # the replica's compute comes first
+    continue_when_parent_dies()
+    print("ready", flush=True)
+    if sys.stdin.readline() != "go\n":
+        print("the replica went away before the merge began", file=sys.stderr)
+        return 1
+    os.nice(10)  # the replica's compute comes first (when the merge runs beside it at all)
     merge(Path(argv[0]), Path(argv[1]))
     return 0
+
+
+def continue_when_parent_dies() -> None:
+    """SIGCONT from the kernel when the process (the thread) that started this one ends
+    (Linux; elsewhere a replica that dies while it is paused leaves it stopped)."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGCONT) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 if __name__ == "__main__":

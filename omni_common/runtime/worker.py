@@ -398,7 +398,8 @@ class Worker(LoraControl):
 
     def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
         """`fn(*args)`, then a running profile ends its segment or stops at its bounds (the
-        compute thread is where the profiler records)."""
+        compute thread is where the profiler records); a profile's merge pauses meanwhile."""
+        self.profiler.before_task()
         try:
             return fn(*args)
         finally:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import select
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,7 +31,8 @@ T = TypeVar("T")
 
 
 class ComputeThread:
-    """One thread runs every task and then the profiler's after_task, as Worker does."""
+    """One thread runs every task between the profiler's before_task and after_task, as
+    Worker does."""
 
     def __init__(self, profiler: StageProfiler) -> None:
         self.profiler = profiler
@@ -38,6 +42,7 @@ class ComputeThread:
         return self.pool.submit(self._bounded, fn, args).result()
 
     def _bounded(self, fn: Callable[..., T], args: tuple[object, ...]) -> T:
+        self.profiler.before_task()
         try:
             return fn(*args)
         finally:
@@ -156,3 +161,92 @@ def test_a_process_that_profiled_exits_cleanly(tmp_path: Path, ending: str) -> N
     else:  # the running session was dropped, its segments with it
         [directory] = (tmp_path / "root").iterdir()
         assert not any(directory.iterdir())
+
+
+def a_child_stops() -> int:
+    """Blocks (no polling) until a child of this process is stopped: its pid."""
+    info = os.waitid(os.P_ALL, 0, os.WSTOPPED | os.WNOWAIT)  # WNOWAIT: Popen still reaps it
+    assert info is not None and info.si_code == os.CLD_STOPPED
+    return info.si_pid
+
+
+def test_the_merge_is_paused_while_a_task_runs_and_finishes_once_idle(compute: ComputeThread) -> None:
+    directory = compute.run(compute.profiler.start, "paused")
+    compute.run(multiplies, 3)
+
+    def stop_and_compute() -> Future[Path]:  # one task: the merge starts while it runs
+        written, _ = compute.profiler.stop()
+        a_child_stops()
+        assert not written.done()
+        assert [path.name.startswith(".segments-") for path in directory.iterdir()] == [True]
+        return written
+
+    written = compute.run(stop_and_compute)
+    trace = written.result()  # the compute thread is idle: the merge runs to its end
+    assert sum(event.get("name") == "aten::mul" for event in events(trace)) == 3
+    assert os.listdir(directory) == [trace.name]
+
+
+def test_closing_with_a_paused_merge_leaves_no_process_behind(compute: ComputeThread) -> None:
+    compute.run(compute.profiler.start, "closing")
+    compute.run(multiplies, 2)
+    paused: queue.Queue[tuple[Future[Path], int]] = queue.Queue()
+    release = threading.Event()
+
+    def stop_and_hold() -> None:  # a task that outlasts the close: the merge stays paused
+        written, _ = compute.profiler.stop()
+        paused.put((written, a_child_stops()))
+        release.wait()
+
+    task = compute.pool.submit(compute._bounded, stop_and_hold, ())
+    written, pid = paused.get()
+    compute.profiler.close()  # continues the merge and waits for it
+    assert written.done()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    release.set()
+    task.result()
+    assert sum(event.get("name") == "aten::mul" for event in events(written.result())) == 2
+
+
+DIES = """
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from omni_common.runtime.profiler import StageProfiler
+
+profiler = StageProfiler("dit-denoise", torch.device("cpu"), sys.argv[1])
+compute = ThreadPoolExecutor(1)
+compute.submit(profiler.start, "").result()
+compute.submit(lambda: [torch.mul(torch.ones(8), 2.0) for _ in range(50)]).result()
+compute.submit(profiler.after_task).result()
+
+
+def stop_and_die():
+    profiler.before_task()
+    profiler.stop()
+    info = os.waitid(os.P_ALL, 0, os.WSTOPPED | os.WNOWAIT)
+    print(info.si_pid, flush=True)
+    os._exit(0)  # killed while a task runs: the merge is left paused
+
+
+compute.submit(stop_and_die).result()
+"""
+
+
+def test_a_replica_that_dies_leaves_no_paused_merge_behind(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-c", textwrap.dedent(DIES), str(tmp_path / "root")]
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    try:
+        pidfd = os.pidfd_open(int(done.stdout))
+    except ProcessLookupError:  # continued and already gone
+        return
+    try:  # readable once the process has ended: the kernel continued it at its parent's death
+        assert select.select([pidfd], [], [])[0] == [pidfd]
+    finally:
+        os.close(pidfd)
