@@ -117,6 +117,7 @@ class ProfileSession:
     rss_at_start: int
     recording: profile
     segment_started: float
+    merge: subprocess.Popen[str]  # trace_merge.py, started with the session, waiting for the stop
     count: int = 0  # segments saved
     saved_bytes: int = 0
 
@@ -124,8 +125,13 @@ class ProfileSession:
 class IdleMerges:
     """The processes (trace_merge.py) that join sessions' segments into their traces, each
     paused (SIGSTOP) while the compute thread runs a task and continued (SIGCONT) once it runs
-    none, until it has waited `patience_s`; `task_starts` and `task_ends` come from the
-    compute thread, a thread of its own starts and waits for each process."""
+    none, until it has waited `patience_s`. `spawn`, `submit`, `cancel`, `task_starts` and
+    `task_ends` come from the compute thread, a thread of its own waits for each merge.
+
+    A process is started with its session, so that Python's start-up (~50 ms of CPU) is
+    done long before the stop. It says `ready` once the kernel would continue it should this
+    process die, then waits for the trace's path on stdin: it is paused from then on whenever
+    a task runs, and at the stop before it reads that path if a task runs then."""
 
     def __init__(self, stage: str, patience_s: float) -> None:
         self.stage = stage
@@ -136,19 +142,24 @@ class IdleMerges:
         self._closing = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage}-profile-merge")
 
-    def submit(self, segments: Path, trace: Path) -> Future[Path]:
-        """The segments joined into `trace` by trace_merge.py in a process of its own, started
-        here, between tasks (no fork of this one: it only execs; -I -S: the script needs the
-        standard library alone, from wherever this package was loaded); the trace's file once
-        written, the segments' directory removed."""
-        argv = [sys.executable, "-I", "-S", str(MERGE_SCRIPT), str(segments), str(trace)]
+    def spawn(self, segments: Path) -> subprocess.Popen[str]:
+        """The process that will join the segments under `segments` (no fork of this one: it
+        only execs; -I -S: the script needs the standard library alone, from wherever this
+        package was loaded)."""
+        argv = [sys.executable, "-I", "-S", str(MERGE_SCRIPT), str(segments)]
         pipe = subprocess.PIPE
-        try:
-            process = subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
-        except OSError:
-            shutil.rmtree(segments, ignore_errors=True)
-            raise
+        return subprocess.Popen(argv, stdin=pipe, stdout=pipe, stderr=pipe, text=True)
+
+    def submit(self, process: subprocess.Popen[str], segments: Path, trace: Path) -> Future[Path]:
+        """`process` joins the segments into `trace`: the trace's file once written, the
+        segments' directory removed."""
         return self._pool.submit(self._merge, process, segments, trace)
+
+    @staticmethod
+    def cancel(process: subprocess.Popen[str]) -> None:
+        """A dropped session's process: it reads no path, so it exits without merging."""
+        with process:
+            process.communicate()
 
     def task_starts(self) -> None:
         with self._lock:
@@ -167,9 +178,6 @@ class IdleMerges:
             process.send_signal(signal.SIGSTOP)
 
     def _merge(self, process: subprocess.Popen[str], segments: Path, trace: Path) -> Path:
-        """Waits for the merge. The process says `ready` once the kernel would continue it
-        should this one die, and merges after `go`: it is paused from then on whenever a
-        task runs (a task running now: before it reads `go`)."""
         try:
             with process:
                 assert process.stdout is not None
@@ -179,7 +187,7 @@ class IdleMerges:
                         if self._busy:
                             self._pause(process, self._held[process])
                 try:
-                    _, error = process.communicate("go\n", timeout=MERGE_TIMEOUT_S)
+                    _, error = process.communicate(f"{trace}\n", timeout=MERGE_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     _, error = process.communicate()
@@ -254,9 +262,21 @@ class StageProfiler:
         else:
             path = Path(tempfile.mkdtemp(prefix=f"{self.stage}-", dir=self.root))  # 0700, fresh
         segments = Path(tempfile.mkdtemp(prefix=".segments-", dir=path))  # 0700, fresh
+        rss_at_start = resident_bytes()  # the recording's own memory counts as growth
+        try:
+            merge = self._merges.spawn(segments)
+        except OSError:
+            shutil.rmtree(segments, ignore_errors=True)
+            raise
+        try:
+            recording = self._record()
+        except Exception:
+            self._merges.cancel(merge)
+            shutil.rmtree(segments, ignore_errors=True)
+            raise
         self._stopped = None  # an uncollected self-stopped trace stays on disk
         now = time.monotonic()
-        self._session = ProfileSession(path, segments, now, resident_bytes(), self._record(), now)
+        self._session = ProfileSession(path, segments, now, rss_at_start, recording, now, merge)
         return path
 
     def _record(self) -> profile:
@@ -341,7 +361,7 @@ class StageProfiler:
             raise
         seconds = time.monotonic() - session.started
         trace = session.directory / f"{self.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{id(session):x}.json"
-        return self._merges.submit(session.segments, trace), seconds
+        return self._merges.submit(session.merge, session.segments, trace), seconds
 
     def close(self) -> None:
         """Drop a running session (the compute thread, before it ends: a recording left in
@@ -354,9 +374,10 @@ class StageProfiler:
 
 
 def _drop(session: ProfileSession) -> None:
-    """End a session's recording (if still running) and delete its segments."""
+    """End a session's recording (if still running), its merge process and its segments."""
     with contextlib.suppress(Exception):  # already stopped: torch warns or raises
         session.recording.stop()
+    IdleMerges.cancel(session.merge)
     shutil.rmtree(session.segments, ignore_errors=True)
 
 

@@ -1,6 +1,7 @@
 """Joins the segment files of one profile into one Chrome trace, in a process of its own.
 
-    python -I -S omni_common/runtime/trace_merge.py SEGMENTS OUT   (the standard library only)
+    python -I -S omni_common/runtime/trace_merge.py SEGMENTS   (the standard library only)
+    (then OUT, a line on stdin)
 
 StageProfiler (profiler.py) ends its recording in short segments, each saved as torch's
 Chrome trace JSON under SEGMENTS (000001.json, ...). This process streams them, in name
@@ -10,10 +11,11 @@ replica because parsing and writing hundreds of MB would hold the replica's GIL:
 process holds none (and runs at a lower priority). OUT is made fresh (O_EXCL | O_NOFOLLOW,
 0600); each segment is deleted once copied, so the disk holds at most one segment twice.
 
-The replica pauses this process (SIGSTOP) while it computes (profiler.IdleMerges). So it
-first asks the kernel for SIGCONT when the replica dies (a paused process would otherwise
-be left behind, stopped), then writes `ready` and merges once it reads `go`: a replica that
-died before can no longer pause it, and one alive has paused it if a task is running.
+The replica starts this process with a profile and pauses it (SIGSTOP) while it computes
+(profiler.IdleMerges). So it first asks the kernel for SIGCONT when the replica dies (a
+paused process would otherwise be left behind, stopped), then writes `ready` and waits for
+OUT, sent when the profile stops: a replica that died before can no longer pause it, and
+end of input (a dropped profile, or a replica gone) means nothing to merge.
 """
 
 from __future__ import annotations
@@ -83,16 +85,17 @@ def _once(events: list[dict[str, Any]], named: set[str]) -> Iterator[dict[str, A
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -I trace_merge.py SEGMENTS OUT", file=sys.stderr)
+    if len(argv) != 1:
+        print("usage: python -I -S trace_merge.py SEGMENTS, then OUT on stdin", file=sys.stderr)
         return 2
     continue_when_parent_dies()
     print("ready", flush=True)
-    if sys.stdin.readline() != "go\n":
-        print("the replica went away before the merge began", file=sys.stderr)
+    out = sys.stdin.readline().rstrip("\n")
+    if not out:
+        print("no trace to write: the profile was dropped", file=sys.stderr)
         return 1
     os.nice(10)  # the replica's compute comes first (when the merge runs beside it at all)
-    merge(Path(argv[0]), Path(argv[1]))
+    merge(Path(argv[0]), Path(out))
     return 0
 
 
