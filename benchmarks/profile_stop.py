@@ -3,12 +3,12 @@
     python benchmarks/profile_stop.py [--ops 20000 100000] [--requests 8] [--trials 3]
                                       [--busy N] [--idle-ms MS]
 
-A stand-in replica: one compute thread runs every task and, after each, the profiler's
-`after_task` (as Worker does); a request is `--steps` tasks, each a forward of a small
+A stand-in replica: one compute thread runs every task between the profiler's
+`before_task` and `after_task` (as Worker does); a request is `--steps` tasks, each a forward of a small
 transformer (like a DiT's steps). For each recording size, and for two ways of ending it:
 
 - `segments`: the shipped StageProfiler (each task's events saved right after it, the
-  trace joined by a separate process), and
+  trace joined by a separate process paused while a task runs), and
 - `one-recording`: the same class with one segment for the whole session (segment_s=inf),
   the way StopProfile worked before: torch processes every event at the stop, holding the GIL,
 

@@ -39,6 +39,7 @@ def test_cuda_segments_keep_every_operator_and_kernel(tmp_path: Path, segment_s:
     compute = ThreadPoolExecutor(1)
 
     def task(count: int) -> None:
+        profiler.before_task()
         try:
             matmuls(count)
         finally:
