@@ -172,6 +172,7 @@ def request_options(args: argparse.Namespace, task: str, size: int, number: int)
         "steps": args.steps,
         "guidance": args.guidance,
         "seed": number,
+        "timeout": args.request_timeout,
     }
     if task == "edit":
         options["images"] = [picture(number, size)]
@@ -494,6 +495,12 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=("cluster", "split", "diffusers"), help="time that part alone")
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a cluster request may take (a hang fails)",
+    )
     parser.add_argument("--summarize", type=Path, nargs="+", help="print the summary of earlier runs' lines")
     args = parser.parse_args()
     emit = Record()
