@@ -50,7 +50,7 @@ def load(
 
     if mode not in MODES:
         raise SystemExit(f"diffusers mode {mode!r}; it is one of {', '.join(MODES)}")
-    pipe = monolithic_pipeline(model, device, dtype)
+    pipe: Any = monolithic_pipeline(model, device, dtype)
     if mode == "regional" and cluster_options and backend == "inductor":
         torch._dynamo.config.recompile_limit = 64
         compile_blocks(pipe.transformer)  # the inductor options of the cluster's DiT
