@@ -107,6 +107,11 @@ def _cloning(forward: Callable[..., Any]) -> Callable[..., Any]:
 def drop(pipe: Any) -> None:
     """Free the pipeline, its compiled code and CUDA graphs before the next mode loads."""
     del pipe
+    release()
+
+
+def release() -> None:
+    """Free compiled code, CUDA graphs and cached device memory of pipelines no longer referenced."""
     torch._dynamo.reset()
     if torch.cuda.is_available():
         from torch._inductor import cudagraph_trees

@@ -190,10 +190,15 @@ def run_cluster(args: argparse.Namespace, model: Path, logs: Path, split: bool, 
     ):
         emit({"side": side, "start_s": round(time.perf_counter() - started, 1)})
         for size in args.sizes:
-            for task in args.tasks:
-                time_alone(args, client, side, task, size, emit)
-            if size in args.concurrent_sizes and args.concurrent:
-                time_burst(args, cluster.coordinator, side, size, emit)
+            cases = [*args.tasks, *(["burst"] if size in args.concurrent_sizes and args.concurrent else [])]
+            for case in cases:
+                try:
+                    if case == "burst":
+                        time_burst(args, cluster.coordinator, side, size, emit)
+                    else:
+                        time_alone(args, client, side, case, size, emit)
+                except Exception as err:  # reported; the other cases still run
+                    emit({"side": side, "task": case, "size": size, "failed": failure(err)})
 
 
 def time_alone(
@@ -375,30 +380,35 @@ def time_diffusers(
 
 
 def run_diffusers(args: argparse.Namespace, model: Path, emit: Record) -> None:
-    """Each mode of --diffusers-modes in turn, one pipeline at a time on the device; a mode
-    that fails (to compile, or at a size or task) is reported and the rest still run."""
-    from omni_common.models.glm_image.reference import monolithic_pipeline
-
+    """Each mode of --diffusers-modes in turn, one pipeline on the device at a time (each freed
+    before the next loads)."""
     priors: Priors = {}
     for mode in args.diffusers_modes:
         started = time.perf_counter()
-        pipe = monolithic_pipeline(model, torch.device(args.device), getattr(torch, args.dtype))
-        if args.ar_cache == "static":  # generate compiles its decode step with a static cache
-            pipe.vision_language_encoder.generation_config.cache_implementation = "static"
-        try:
-            diffusers_best.compile_transformer(pipe.transformer, mode, args.diffusers_backend)
-            cases = [(size, task) for size in args.sizes for task in args.tasks]
-        except Exception as err:
-            emit({"side": "diffusers", "mode": mode, "failed": failure(err)})
-            cases = []
-        for size, task in cases:
+        time_mode(args, model, mode, priors, emit)
+        diffusers_best.release()
+        emit({"side": "diffusers", "mode": mode, "total_s": round(time.perf_counter() - started, 1)})
+
+
+def time_mode(args: argparse.Namespace, model: Path, mode: str, priors: Priors, emit: Record) -> None:
+    """One pipeline compiled `mode`'s way at every size and task; a mode that fails (to
+    compile, or at a size or task) is reported and the rest still run."""
+    from omni_common.models.glm_image.reference import monolithic_pipeline
+
+    pipe = monolithic_pipeline(model, torch.device(args.device), getattr(torch, args.dtype))
+    if args.ar_cache == "static":  # generate compiles its decode step with a static cache
+        pipe.vision_language_encoder.generation_config.cache_implementation = "static"
+    try:
+        diffusers_best.compile_transformer(pipe.transformer, mode, args.diffusers_backend)
+    except Exception as err:
+        emit({"side": "diffusers", "mode": mode, "failed": failure(err)})
+        return
+    for size in args.sizes:
+        for task in args.tasks:
             try:
                 time_diffusers(args, pipe, mode, task, size, priors, emit)
             except Exception as err:
-                row = {"side": "diffusers", "mode": mode, "task": task, "size": size}
-                emit({**row, "failed": failure(err)})
-        emit({"side": "diffusers", "mode": mode, "total_s": round(time.perf_counter() - started, 1)})
-        diffusers_best.drop(pipe)
+                emit({"side": "diffusers", "mode": mode, "task": task, "size": size, "failed": failure(err)})
 
 
 # ---- the summary ---------------------------------------------------------------------------
