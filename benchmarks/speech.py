@@ -91,7 +91,7 @@ class FirstToken(BaseStreamer):
 
 
 # The parts whose `generate` gets a static cache, tried in turn until one runs: "static" is
-# transformers' best setting where it works (the talker's forward rejected it in 5.2x: its
+# transformers' best setting where it works (the talker's forward rejected it in 5.24: its
 # attention mask arrives as a dict), then the thinker alone.
 CACHE_TRIES: dict[str, list[tuple[str, ...]]] = {
     "static": [("thinker", "talker"), ("thinker",), ()],
