@@ -15,7 +15,8 @@ The pipeline calls its transformer twice a step with CFG and reads both predicti
 second call; a CUDA-graph replay overwrites its outputs, so the compiled modes clone them, as a
 user of reduce-overhead must (a copy of the [B, tokens, 64] prediction: microseconds).
 
-Imported by gpu_headline.py and multi_gpu.py (run from benchmarks/ or with it on sys.path).
+Imported by gpu_headline.py, multi_gpu.py and glm_image_gpu.py (`compile_transformer`; run from
+benchmarks/ or with it on sys.path).
 """
 
 from __future__ import annotations
@@ -49,15 +50,23 @@ def load(
 
     if mode not in MODES:
         raise SystemExit(f"diffusers mode {mode!r}; it is one of {', '.join(MODES)}")
-    pipe = monolithic_pipeline(model, device, dtype)
-    transformer = pipe.transformer
+    pipe: Any = monolithic_pipeline(model, device, dtype)
+    if mode == "regional" and cluster_options and backend == "inductor":
+        torch._dynamo.config.recompile_limit = 64
+        compile_blocks(pipe.transformer)  # the inductor options of the cluster's DiT
+    else:
+        compile_transformer(pipe.transformer, mode, backend)
+    return pipe
+
+
+def compile_transformer(transformer: Any, mode: str, backend: str = "inductor") -> None:
+    """Compile a diffusers transformer in place `mode`'s way (eager: leave it as it is)."""
+    if mode not in MODES:
+        raise SystemExit(f"diffusers mode {mode!r}; it is one of {', '.join(MODES)}")
     # Two sizes, prompts of several lengths, batches: more variants than Dynamo's default 8.
     torch._dynamo.config.recompile_limit = 64
     if mode == "regional":
-        if cluster_options and backend == "inductor":
-            compile_blocks(transformer)  # the inductor options of the cluster's DiT
-        else:
-            transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
+        transformer.compile_repeated_blocks(fullgraph=True, backend=backend)
     elif mode in ("whole", "max-autotune"):
         compiled = torch.compile(
             transformer.forward,
@@ -66,7 +75,6 @@ def load(
             backend=backend,
         )
         transformer.forward = _cloning(compiled)
-    return pipe
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +107,11 @@ def _cloning(forward: Callable[..., Any]) -> Callable[..., Any]:
 def drop(pipe: Any) -> None:
     """Free the pipeline, its compiled code and CUDA graphs before the next mode loads."""
     del pipe
+    release()
+
+
+def release() -> None:
+    """Free compiled code, CUDA graphs and cached device memory of pipelines no longer referenced."""
     torch._dynamo.reset()
     if torch.cuda.is_available():
         from torch._inductor import cudagraph_trees

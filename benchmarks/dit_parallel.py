@@ -140,7 +140,11 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, rendezvous: str) 
                 row["graph_error"] = f"{type(err).__name__}: {str(err)[:200]}"
             row["profile"] = device_classes(forward)
             emit(row)
-    dist.destroy_process_group()
+    # The group's teardown hung once NCCL calls had been captured in graphs (2 H200s, torch
+    # 2.11: every row printed, the run then killed by its timeout): each rank leaves at once.
+    torch.cuda.synchronize()
+    dist.barrier()
+    os._exit(0)
 
 
 def forwards(denoiser: QwenImageDenoiser, sp: SequenceParallel, size: int) -> dict[str, Forward]:

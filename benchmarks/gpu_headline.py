@@ -35,7 +35,6 @@ import math
 import os
 import statistics
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -45,11 +44,12 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bursts
 import diffusers_best
 import numpy as np
 import torch
 
-from omni_common.client import Client, GenerationResult
+from omni_common.client import Client
 from omni_common.cluster import LocalCluster, free_port, loopback_plan
 
 PROMPT = "a watercolor lighthouse at dusk"
@@ -261,44 +261,23 @@ def run_cluster(args: argparse.Namespace, log_dir: Path, cache: Path) -> Side:
 def concurrent_img_per_s(
     args: argparse.Namespace, coordinator: str, first_prompt: int
 ) -> tuple[float, dict[str, object]]:
-    """Images/s of `--concurrency` requests sent at once (prompts from `first_prompt` on), and
-    where the burst's wall time went: each stage's slowest compute and wall time, and when the
-    first and the last result arrived. Each request has its own client, connected (one
-    `ListModels` call) before the clock starts, as a serving client keeps its channel."""
-    errors: list[BaseException] = []
-    results: list[GenerationResult] = []
-    done_ms: list[float] = []
+    """Images/s of `--concurrency` requests sent at once (prompts from `first_prompt` on;
+    bursts.py), and where the burst's wall time went: each stage's slowest compute and wall
+    time, and when the first result arrived."""
     options = options_for(args, args.sizes[-1])
-    clients = [Client(coordinator) for _ in range(args.concurrency)]
-    for client in clients:
-        client.list_models()
-
-    def one(client: Client, seed: int) -> None:
-        try:
-            results.append(client.generate_result(prompt(first_prompt + seed), seed=seed, **options))
-            done_ms.append((time.perf_counter() - t0) * 1e3)
-        except BaseException as err:  # reported below; a failed request must not look fast
-            errors.append(err)
-
-    threads = [threading.Thread(target=one, args=(c, s)) for s, c in enumerate(clients)]
-    t0 = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall_s = time.perf_counter() - t0
-    for client in clients:
-        client.close()
-    if errors:
-        raise RuntimeError(f"{len(errors)} concurrent requests failed: {errors[0]}")
+    done = bursts.burst(
+        coordinator,
+        [(prompt(first_prompt + seed), {"seed": seed, **options}) for seed in range(args.concurrency)],
+    )
+    results = done.results
     stages = {name for result in results for name in result.compute_ms}
     breakdown: dict[str, object] = {
-        "wall_ms": round(wall_s * 1e3, 1),
-        "first_done_ms": round(min(done_ms), 1),
+        "wall_ms": round(done.wall_s * 1e3, 1),
+        "first_done_ms": round(min(done.done_ms), 1),
         "stage_compute_max_ms": {k: round(max(r.compute_ms.get(k, 0.0) for r in results), 1) for k in stages},
         "stage_wall_max_ms": {k: round(max(r.stage_ms.get(k, 0.0) for r in results), 1) for k in stages},
     }
-    return round(args.concurrency / wall_s, 3), breakdown
+    return done.img_per_s, breakdown
 
 
 def step_cache_rows(

@@ -35,12 +35,12 @@ import os
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bursts
 import diffusers_best
 import numpy as np
 import torch
@@ -130,23 +130,9 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
 
 
 def burst(coordinator: str, count: int, params: dict[str, Any]) -> float:
-    """Images/s of `count` requests sent at once, each on its own connected client."""
-    clients = [Client(coordinator) for _ in range(count)]
-    try:
-        for client in clients:
-            client.list_models()
-        with ThreadPoolExecutor(count) as pool:
-            started = time.perf_counter()
-            jobs = [
-                pool.submit(c.generate_result, f"{PROMPT} {i}", seed=i, **params)
-                for i, c in enumerate(clients)
-            ]
-            for job in jobs:
-                job.result()
-            return round(count / (time.perf_counter() - started), 3)
-    finally:
-        for client in clients:
-            client.close()
+    """Images/s of `count` requests sent at once (bursts.py)."""
+    requests = [(f"{PROMPT} {i}", {"seed": i, **params}) for i in range(count)]
+    return bursts.burst(coordinator, requests).img_per_s
 
 
 def measure_diffusers(args: argparse.Namespace) -> dict[tuple[int, bool], dict[str, float]]:

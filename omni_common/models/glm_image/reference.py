@@ -12,13 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
 from diffusers.pipelines.glm_image.pipeline_glm_image import GlmImagePipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from PIL import Image
+from transformers import ByT5Tokenizer, GlmImageForConditionalGeneration, GlmImageProcessor, T5EncoderModel
 
 from omni_common.models.base import GenerationRequest
+from omni_common.models.weights import load_component
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,26 @@ class ReferencePrior:
 
 def load_pipeline(model_dir: Any, dtype: torch.dtype = torch.float32) -> GlmImagePipeline:
     pipe = GlmImagePipeline.from_pretrained(model_dir, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def monolithic_pipeline(model_dir: Path, device: torch.device, dtype: torch.dtype) -> GlmImagePipeline:
+    """The pipeline on `device`, each model built as the stages build it (load_component): a
+    random-weights directory gets the stages' seeded weights, so a benchmark's diffusers side
+    computes with the cluster's weights."""
+    model_dir = Path(model_dir)
+    pipe = GlmImagePipeline(
+        tokenizer=ByT5Tokenizer.from_pretrained(model_dir / "tokenizer"),
+        processor=GlmImageProcessor.from_pretrained(model_dir / "processor"),
+        text_encoder=load_component(T5EncoderModel, model_dir / "text_encoder", device, dtype),
+        vision_language_encoder=load_component(
+            GlmImageForConditionalGeneration, model_dir / "vision_language_encoder", device, dtype
+        ),
+        vae=load_component(AutoencoderKL, model_dir / "vae", device, dtype),
+        transformer=load_component(GlmImageTransformer2DModel, model_dir / "transformer", device, dtype),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler"),
+    )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -21,9 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen2_5OmniForConditionalGeneration
+from transformers import (
+    Qwen2_5OmniForConditionalGeneration,
+    Qwen2_5OmniTalkerForConditionalGeneration,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen2_5OmniToken2WavModel,
+)
 
+from omni_common.models.qwen_omni.checkpoint import SPEAKERS_FILE, build_random, load_config
 from omni_common.models.qwen_omni.processor import load_processor, reference_inputs
+from omni_common.models.weights import random_weights_seed
 
 # What `generate` stops the talker at (its talker_eos_token_id default): codec pad and end.
 TALKER_EOS_IDS = (8292, 8294)
@@ -65,6 +72,32 @@ def load_model(
 ) -> Qwen2_5OmniForConditionalGeneration:
     """The checkpoint with its speakers (spk_dict.pt), in eval mode."""
     return Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def load_model_on(
+    model_dir: Path, device: torch.device, dtype: torch.dtype
+) -> Qwen2_5OmniForConditionalGeneration:
+    """The checkpoint on `device` (token2wav in float32, as transformers keeps it). A
+    random-weights directory gets each part built as the stages build it (the same seeded
+    weights), so a benchmark's transformers side computes with the cluster's weights."""
+    if random_weights_seed(Path(model_dir)) is None:
+        model: Any = load_model(model_dir, dtype)
+        return model.to(device)
+    config = load_config(model_dir)
+    config.enable_audio_output = False  # the parts are built below, on the device
+    with torch.device("meta"):
+        model = Qwen2_5OmniForConditionalGeneration(config)
+    parts = (
+        ("thinker", Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, dtype),
+        ("talker", Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config, dtype),
+        ("token2wav", Qwen2_5OmniToken2WavModel, config.token2wav_config, torch.float32),
+    )
+    for name, cls, part_config, part_dtype in parts:
+        setattr(model, name, build_random(cls, part_config, Path(model_dir), name, device, part_dtype))
+    model.has_talker = True
+    model.config.enable_audio_output = True
+    model.load_speakers(Path(model_dir) / SPEAKERS_FILE)
+    return model.eval()
 
 
 def one_turn(prompt: str, audios: int = 0, images: int = 0, videos: int = 0) -> list[dict[str, Any]]:
