@@ -65,7 +65,7 @@ MAX_BYTES = 1 << 30
 SEGMENT_S_CUDA = 1.0
 MERGE_TIMEOUT_S = 1800.0
 # A merge paused while tasks run (IdleMerges) runs beside them after this long.
-MERGE_PATIENCE_S = 30.0
+MERGE_PATIENCE_S = 3.0
 MERGE_SCRIPT = Path(__file__).with_name("trace_merge.py")
 
 
