@@ -387,6 +387,8 @@ class ModelCard:
     loras: bool = False
     # The --quantization modes its DiT offers (DenoiserOptions.quantization), e.g. ("fp8",).
     quantizations: tuple[str, ...] = ()
+    # Whether its DiT replays CUDA graphs (DenoiserOptions.cuda_graphs); without, `auto` is off.
+    dit_cuda_graphs: bool = False
 
     def check_quantization(self, family: str, mode: str) -> None:
         """UNIMPLEMENTED for a --quantization mode this family's DiT does not offer."""

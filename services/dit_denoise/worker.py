@@ -20,17 +20,20 @@ class DenoiseWorker(Worker):
         return replace(super().stage_context(), denoiser=self.denoiser_options())
 
     def denoiser_options(self) -> DenoiserOptions:
-        """The execution flags. `auto` turns CUDA graphs and torch.compile on for a CUDA device
-        (measured on Qwen-Image at 512x512: a forward 1.7x faster replayed, 1.3x compiled;
-        docs/benchmarks.md), except under layerwise offload, whose per-block copies neither a
-        graph nor a compiled block may bake in."""
-        config = self.config
+        """The execution flags. `auto` turns CUDA graphs (where the family's DiT replays them) and
+        torch.compile on for a CUDA device (measured on Qwen-Image at 512x512: a forward 1.7x
+        faster replayed, 1.3x compiled; docs/benchmarks.md), except under layerwise offload,
+        whose per-block copies neither a graph nor a compiled block may bake in."""
+        config, card = self.config, self.family.card
         try:
-            self.family.card.check_quantization(self.family.name, config.quantization)
+            card.check_quantization(self.family.name, config.quantization)
         except Unimplemented as err:
             raise SystemExit(f"{self.stage}: {err.message}") from None
+        if config.cuda_graphs == "on" and not card.dit_cuda_graphs:
+            name = self.family.name
+            raise SystemExit(f"{self.stage}: {name}'s DiT replays no CUDA graphs; drop --cuda-graphs on")
         return DenoiserOptions(
-            cuda_graphs=self.execution_flag("--cuda-graphs", config.cuda_graphs),
+            cuda_graphs=card.dit_cuda_graphs and self.execution_flag("--cuda-graphs", config.cuda_graphs),
             capture_sizes=config.capture_sizes,
             max_batch=config.max_batch,
             attention_backend=config.attention_backend,

@@ -92,6 +92,7 @@ class QwenImageFamily:
         size_multiple=SIZE_MULTIPLE,
         loras=True,
         quantizations=("fp8",),
+        dit_cuda_graphs=True,
     )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES

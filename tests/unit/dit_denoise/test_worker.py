@@ -30,6 +30,12 @@ def test_asking_for_them_on_the_cpu_is_refused_at_start(tiny_model: Path, flag: 
         DenoiseWorker(config(tiny_model, **{flag: "on"}))
 
 
+def test_graphs_on_for_a_family_whose_dit_records_none_is_refused_at_start(glm_model: Path) -> None:
+    # auto leaves them off for such a family (on a GPU too: its card says so)
+    with pytest.raises(SystemExit, match="glm-image's DiT replays no CUDA graphs"):
+        DenoiseWorker(config(glm_model, cuda_graphs="on"))
+
+
 def test_lora_flags_reach_the_denoiser(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
