@@ -182,13 +182,15 @@ def request_options(args: argparse.Namespace, task: str, size: int, number: int)
 def run_cluster(args: argparse.Namespace, model: Path, logs: Path, split: bool, emit: Record) -> None:
     side = "cluster split" if split else "cluster"
     started = time.perf_counter()
+    plan = cluster_plan(args, model, logs / "compile-cache", split)
+    plan, metrics = bursts.with_metrics(plan, "ar-encoder")
     with (
-        LocalCluster(
-            cluster_plan(args, model, logs / "compile-cache", split), logs / side.replace(" ", "-"), 1800
-        ) as cluster,
+        LocalCluster(plan, logs / side.replace(" ", "-"), 1800) as cluster,
         Client(cluster.coordinator) as client,
     ):
         emit({"side": side, "start_s": round(time.perf_counter() - started, 1)})
+        # The AR's decode steps recorded at every batch bucket before any request is timed.
+        emit({"side": side, "idle_work_wait_s": bursts.wait_idle_work(metrics)})
         for size in args.sizes:
             cases = [*args.tasks, *(["burst"] if size in args.concurrent_sizes and args.concurrent else [])]
             for case in cases:

@@ -113,15 +113,10 @@ class StepMeter:
                     totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return totals
 
-    def wait_idle_work(self, limit_s: float = 300.0) -> float:
+    def wait_idle_work(self) -> float:
         """Wait until the DiT has done its idle work (graphs of common prompt lengths, captured
         while no request is there); the seconds waited."""
-        started = time.perf_counter()
-        while self.read().get("omnistage_idle_work_left", 0.0) > 0:
-            if time.perf_counter() - started > limit_s:
-                raise RuntimeError(f"the DiT's idle work is not done after {limit_s:.0f} s")
-            time.sleep(0.5)
-        return round(time.perf_counter() - started, 1)
+        return bursts.wait_idle_work(self.url, limit_s=300.0)
 
     def since_last(self) -> dict[str, float]:
         now = self.read()

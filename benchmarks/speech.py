@@ -46,20 +46,19 @@ import os
 import statistics
 import tempfile
 import time
-import urllib.request
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bursts
 import torch
 from transformers import AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 from omni_common.chat import SpeechChunk, TextDelta
 from omni_common.client import AsyncClient
-from omni_common.cluster import LOOPBACK, LocalCluster, LocalProcess, free_port, loopback_plan
+from omni_common.cluster import LocalCluster, loopback_plan
 from omni_common.models.qwen_omni.checkpoint import chat_input_ids
 from omni_common.models.qwen_omni.fixture import build_tiny_fixture
 from omni_common.models.qwen_omni.reference import load_model_on
@@ -297,8 +296,10 @@ def cluster_rows(
     else:  # the thinker steps up to the largest concurrency's rows together
         env = {"OMNISTAGE_DEVICE": args.device, "OMNISTAGE_MAX_BATCH": str(max(args.concurrency))}
         plan, timeout_s = loopback_plan(model, args.dtype, env), 1200.0
-    plan, metrics = with_metrics(plan, "ar-encoder")
+    plan, metrics = bursts.with_metrics(plan, "ar-encoder")
     with LocalCluster(plan, log_dir=scratch, start_timeout_s=timeout_s) as cluster:
+        # The thinker's and the talker's decode steps recorded at every batch bucket first.
+        emit(side="omnistage streamed", idle_work_wait_s=bursts.wait_idle_work(metrics))
         for c in args.concurrency:
             for k in args.feed_tokens:
                 fed = talker_feeds(metrics)
@@ -364,21 +365,9 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
 
 
-def with_metrics(plan: list[LocalProcess], name: str) -> tuple[list[LocalProcess], str]:
-    """`plan` with process `name` serving its metrics on a free port; their URL."""
-    port = free_port()
-    index = next(i for i, proc in enumerate(plan) if proc.name == name)
-    proc = plan[index]
-    plan[index] = replace(proc, environment={**proc.environment, "OMNISTAGE_METRICS_PORT": str(port)})
-    return plan, f"http://{LOOPBACK}:{port}/metrics"
-
-
 def talker_feeds(url: str) -> float:
     """The Feed calls the talker has taken so far."""
-    with urllib.request.urlopen(url, timeout=10) as response:  # (our own loopback URL)
-        text = response.read().decode()
-    lines = [line for line in text.splitlines() if line.startswith("omnistage_stage_feeds_total{")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'role="talker"' in line)
+    return bursts.metric_total(url, "omnistage_stage_feeds_total", 'role="talker"')
 
 
 def _rounded(row: dict[str, float]) -> dict[str, float]:

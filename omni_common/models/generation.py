@@ -132,6 +132,9 @@ class SlotGenerator:
         self.decode = decode_mode(decode, device)
         self.graphed: GraphedDecode | None = None
         self.pending: tuple[Launched, list[GenerationState]] | None = None
+        # Graphed decode: the sampling settings whose steps idle time records at every bucket
+        # (a runner's default, then each setting a request brings).
+        self.warm_samplings: dict[Hashable, Sampling] = {}
         if self.decode == "graphs":
             self.slots.reserve()
             use_graphed_attention(text_model)
@@ -167,6 +170,36 @@ class SlotGenerator:
                 "with the eager decode"
             )
 
+    def expect_sampling(self, sampling: Sampling) -> None:
+        """Have idle time record the graphed steps of `sampling`'s setting at every batch
+        bucket, so a batch that grows into a new bucket replays a step and compiles none."""
+        if self.graphed is not None and sampling.key is not None:
+            self.warm_samplings.setdefault(sampling.key, sampling)
+
+    def _unrecorded(self) -> list[tuple[int, Sampling]]:
+        graphed = self.graphed
+        if graphed is None or graphed.device.type != "cuda":
+            return []  # off CUDA the steps run eagerly: nothing to record
+        return [
+            (size, sampling)
+            for sampling in self.warm_samplings.values()
+            for size in graphed.bucket_sizes()
+            if (size, sampling.key) not in graphed.graphs
+        ]
+
+    def idle_work(self) -> bool:
+        """HasIdleWork: record one expected step not yet recorded, the smallest bucket first
+        (at real size a recording compiles for about a minute; a request waits for one)."""
+        missing = self._unrecorded()
+        if not missing or self.graphed is None:
+            return False
+        size, sampling = min(missing, key=lambda item: item[0])
+        self.graphed.prepare(size, sampling.key, sampling.processors or None, sampling.do_sample)
+        return True
+
+    def idle_work_left(self) -> int:
+        return len(self._unrecorded())
+
     def join(self, state: GenerationState, positions: torch.Tensor | None) -> None:
         """Graphed decode: make the prefilled `state` a row (after `pick` took its first
         token); its tokens live on the host from here on (the host reads them a step late)."""
@@ -188,6 +221,7 @@ class SlotGenerator:
             sampling = rows[0].sampling
             if any(s.sampling.key != sampling.key for s in rows):
                 raise InvalidArgument("one graphed step takes requests of one sampling setting (batch_key)")
+            self.expect_sampling(sampling)
             launched = self.graphed.launch(
                 [s.slot.index for s in rows], sampling.key, sampling.processors or None, sampling.do_sample
             )

@@ -282,6 +282,17 @@ class GraphedDecode:
                 return min(size, self.slots.max_slots)
         return self.slots.max_slots
 
+    def bucket_sizes(self) -> list[int]:
+        """Every batch size a step is recorded for (the buckets up to the slots)."""
+        return sorted({min(size, self.slots.max_slots) for size in BUCKETS})
+
+    @torch.no_grad()
+    def prepare(self, size: int, key: Hashable, processors: Any, do_sample: bool) -> None:
+        """Record the step of `size` rows under sampling `key` ahead of its first launch (idle
+        time), so no request waits for its compilation; nothing off CUDA or if recorded."""
+        if self.device.type == "cuda" and (size, key) not in self.graphs:
+            self.graphs[size, key] = self._record(size, processors, do_sample)
+
     @torch.no_grad()
     def launch(self, rows: Sequence[int], key: Hashable, processors: Any, do_sample: bool) -> Launched:
         """Replay (record first, once per bucket and key) one step for slots `rows`."""

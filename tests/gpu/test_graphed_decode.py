@@ -76,3 +76,22 @@ def test_joins_leaves_and_cancel_across_buckets_pick_the_eager_tokens_and_record
     assert run(graphed, joins, cancel) == expected
     assert graphed.graphed.captures == recorded
     assert not graphed.slots.active  # every slot was released
+
+
+def test_idle_work_records_every_bucket_ahead_and_requests_then_record_none(glm_dir: Path) -> None:
+    """The prior expects its one sampling setting from load: idle time records its step at each
+    bucket (smallest first), after which traffic across buckets replays and picks the eager
+    tokens."""
+    graphed = GlmImagePrior.load(
+        glm_dir, DEVICE, torch.float32, max_slots=8, max_tokens=1024, decode="graphs"
+    )
+    assert graphed.graphed is not None and graphed.graphed.captures == 0
+    assert graphed.idle_work_left() == 4  # buckets 1, 2, 4, 8
+    while graphed.idle_work():
+        pass
+    assert graphed.idle_work_left() == 0 and graphed.graphed.captures == 4
+    assert sorted(size for size, _ in graphed.graphed.graphs) == [1, 2, 4, 8]
+    eager = GlmImagePrior.load(glm_dir, DEVICE, torch.float32, max_slots=8, max_tokens=1024, decode="eager")
+    joins = [(0, 0), (1, 3), (2, 10), (3, 10), (4, 11), (5, 40)]
+    assert run(graphed, joins, {1: 30}) == run(eager, joins, {1: 30})
+    assert graphed.graphed.captures == 4  # no request recorded a step

@@ -89,6 +89,11 @@ class GlmImagePrior(SlotGenerator):
         )
         self.model = model
         self.processor = processor
+        # Every request's setting (do_sample, the model's own warpers): recorded while idle.
+        self.expect_sampling(self._sampling(torch.zeros(1, 1, dtype=torch.long, device=device), 1, 0))
+
+    def _sampling(self, input_ids: torch.Tensor, total: int, seed: int) -> Sampling:
+        return Sampling.build(self.model, input_ids, total, seed, do_sample=True)
 
     @classmethod
     def load(
@@ -130,7 +135,7 @@ class GlmImagePrior(SlotGenerator):
                 step_index=0,
                 total_steps=total,
                 slot=slot,
-                sampling=Sampling.build(self.model, input_ids, total, request.seed, do_sample=True),
+                sampling=self._sampling(input_ids, total, request.seed),
                 eos=frozenset(eos_ids(self.model)),
                 sequence=torch.cat([input_ids, input_ids.new_zeros(1, total)], dim=1),
                 prompt_length=prompt_length,

@@ -141,6 +141,9 @@ class Thinker(SlotGenerator):
         # transformers: a product's rounding depends on its row count, and CPU replies equal
         # `generate`'s bit for bit.
         self.last_position_head = device.type == "cuda"
+        # A request with the default options: its graphed steps get recorded while idle.
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.expect_sampling(self._sampling(GenerationRequest(prompt=""), token, 1))
 
     @classmethod
     def load(
@@ -201,6 +204,10 @@ class Thinker(SlotGenerator):
         return StageState(tensors={}, meta={}) if found is None else prefix_state(*found)
 
     @torch.no_grad()
+    def _sampling(self, request: GenerationRequest, input_ids: torch.Tensor, total: int) -> Sampling:
+        do_sample = bool(option_int(request, "thinker_do_sample"))
+        return Sampling.build(self.model, input_ids, total, request.seed, do_sample=do_sample)
+
     def prepare(self, request: GenerationRequest, inputs: StageState) -> ThinkerState:
         """The prompt's prefill, which picks the first token; a prefix of the prompt whose KV this
         replica kept (an earlier turn of the conversation), or that came with the inputs from
@@ -216,13 +223,7 @@ class Thinker(SlotGenerator):
         speak = bool(option_int(request, "audio"))
         slot = self.slots.acquire(length + total)
         try:
-            sampling = Sampling.build(
-                self.model,
-                prompt.input_ids,
-                total,
-                request.seed,
-                do_sample=bool(option_int(request, "thinker_do_sample")),
-            )
+            sampling = self._sampling(request, prompt.input_ids, total)
             self.check_graphable(sampling)
             prefill = self._start_prefill(prompt, speak)
             state = ThinkerState(

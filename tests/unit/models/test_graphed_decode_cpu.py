@@ -54,3 +54,14 @@ def test_heads_too_small_for_flex_attention_on_a_gpu_take_the_padded_attention()
     assert attention_for("flex", FLEX_MIN_HEAD_DIM, cuda) == "flex"
     assert attention_for("flex", 8, CPU) == "flex"  # the CPU runs it unrecorded, as a reference
     assert attention_for("padded", 128, cuda) == "padded"
+
+
+def test_the_prior_expects_its_one_sampling_setting_and_records_nothing_off_cuda(glm_model: Path) -> None:
+    graphed = GlmImagePrior.load(glm_model, CPU, torch.float32, max_slots=4, max_tokens=1024, decode="graphs")
+    assert graphed.graphed is not None and graphed.graphed.bucket_sizes() == [1, 2, 4]
+    request = GenerationRequest(prompt=PROMPTS[0], width=64, height=64, seed=3)
+    state = graphed.prepare(request, StageState({}))
+    assert list(graphed.warm_samplings) == [state.sampling.key]  # a request's is the load's
+    # Off CUDA the step runs unrecorded: idle time has nothing to record.
+    assert graphed.idle_work_left() == 0 and not graphed.idle_work()
+    graphed.release(state)
