@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniThinkerForConditionalGeneration
 
+from omni_common.models import graphed_decode
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.graphed_decode import decoder_of
 from omni_common.models.qwen_omni.fixture import build_tokenizer
@@ -280,9 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         "--skip", nargs="*", default=[], help="parts to skip: attention thinker eager generate"
     )
     parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm")
+    parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode of our decode step (e.g. max-autotune-no-cudagraphs; default: none)",
+    )
     args = parser.parse_args(argv)
+    graphed_decode.COMPILE_MODE = args.compile_mode
     device = torch.device(args.device)
-    emit(machine=torch.cuda.get_device_name(device), torch=torch.__version__)
+    emit(machine=torch.cuda.get_device_name(device), torch=torch.__version__, compile_mode=args.compile_mode)
     if "attention" not in args.skip:
         for rows in args.concurrency:
             emit(part="attention", rows=rows, ms_per_step_28_layers=attention_ms(rows, device))

@@ -50,6 +50,9 @@ ATTENTION = ("flex", "padded")  # "padded": one masked SDPA over the full capaci
 # flex_attention's GPU kernels take heads of at least 16 channels (torch 2.11: "NYI" below, at
 # the compile); a smaller head (the tiny test fixtures' 8) runs "padded" instead.
 FLEX_MIN_HEAD_DIM = 16
+# torch.compile's mode for the decode step (None: its default; benchmarks/ar_decode_gpu.py
+# --compile-mode times the others, e.g. inductor's autotuned products for the skinny rows).
+COMPILE_MODE: str | None = None
 
 
 def attention_for(attention: str, head_dim: int, device: torch.device) -> str:
@@ -222,7 +225,7 @@ class GraphedDecode:
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 2 * len(BUCKETS)))
-            self._forward_fn = torch.compile(self._forward, dynamic=False)
+            self._forward_fn = torch.compile(self._forward, dynamic=False, mode=COMPILE_MODE)
         self.cache_argument = (
             "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
         )
