@@ -3,7 +3,8 @@
 Every process that loads one builds the same seeded weights of its components on its device
 (omni_common.models.weights). `full_size` gives GLM-Image's real architecture for GPU
 measurements: the AR model at transformers' `GlmImageConfig` defaults (text 4096 x 40 layers,
-vocabulary 168,064, vision head 16,512, vision encoder and VQ of 16,384 codes), the DiT at
+vocabulary 168,064, vision encoder and VQ of 16,384 codes; its vision head the codebook's
+16,384 rows, not 16,512: random weights sample image codes only), the DiT at
 diffusers' `GlmImageTransformer2DModel` defaults (30 layers, 64 heads of 40), a 16-channel
 `AutoencoderKL` (128..512 channels) and a ByT5-small glyph encoder; the AR processor is the
 fixture's with the real vision vocabulary (ids 0..16,383, then image start 16,384 and end 16,385,
@@ -84,6 +85,11 @@ def _write_full_size_configs(out_dir: Path) -> None:
     vocab = processor.tokenizer.get_vocab()
     GlmImageConfig(
         text_config={
+            # The head samples image codes only, as in the tiny fixture: random weights would
+            # otherwise draw the vision vocabulary's other ids (image start/end and unused
+            # ones) mid-grid, which no DiT takes. 128 rows fewer than the real 16,512 (1 MB
+            # of the 16.45 GB a decode step reads); the prior ends at its grid's length.
+            "vision_vocab_size": VQ_CODES,
             "pad_token_id": vocab["<|endoftext|>"],
             "eos_token_id": vocab["<|image_end|>"],
             **TEXT_ROPE,

@@ -35,7 +35,10 @@ def test_full_size_directories_hold_the_real_configs_and_no_weights(tmp_path: Pa
         assert not list(model_dir.rglob("*.safetensors"))
     text = json.loads((glm / "vision_language_encoder" / "config.json").read_text())["text_config"]
     assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (4096, 40, 168064)
-    assert json.loads((glm / "transformer" / "config.json").read_text())["num_layers"] == 30
+    transformer = json.loads((glm / "transformer" / "config.json").read_text())
+    assert transformer["num_layers"] == 30
+    # The AR's head samples exactly the codes the DiT's prior embedding takes.
+    assert text["vision_vocab_size"] == transformer["prior_vq_quantizer_codebook_size"] == 16384
     thinker = json.loads((omni / "config.json").read_text())["thinker_config"]["text_config"]
     assert (thinker["hidden_size"], thinker["num_hidden_layers"], thinker["vocab_size"]) == (3584, 28, 152064)
 
