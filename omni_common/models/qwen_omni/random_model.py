@@ -4,8 +4,9 @@ builds the same seeded weights of its part on its device (`checkpoint.load_part`
 
 `full_size`: Qwen2.5-Omni-7B's architecture (transformers' `Qwen2_5OmniConfig` defaults: thinker
 7 B with its audio and vision towers, talker, token2wav), with the fixture's tokenizer (ids only
-need to fit the 152,064-row embedding) and speakers of the real widths; otherwise the tiny
-fixture's config.
+need to fit the 152,064-row embedding) and speakers of the real widths; token2wav's codec
+embedding has a row for each of the talker's 8,448 ids (not 8,193), as the tiny fixture's has.
+Otherwise the tiny fixture's config.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def full_size_config(tokenizer: Any) -> Qwen2_5OmniConfig:
         setattr(config.thinker_config, name, getattr(tiny.thinker_config, name))
     for name in ("tts_text_start_token_id", "tts_text_end_token_id", "tts_text_pad_token_id"):
         setattr(config.talker_config, name, getattr(tiny.talker_config, name))
+    # A row of token2wav's codec embedding for every code the random talker can emit (its whole
+    # vocabulary), as in the tiny fixture: the real 8,193 rows would refuse the codes a trained
+    # talker never draws. 255 rows more; no step computes more.
+    config.token2wav_config.dit_config.num_embeds = config.talker_config.vocab_size
     return config
 
 

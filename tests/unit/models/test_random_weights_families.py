@@ -39,7 +39,13 @@ def test_full_size_directories_hold_the_real_configs_and_no_weights(tmp_path: Pa
     assert transformer["num_layers"] == 30
     # The AR's head samples exactly the codes the DiT's prior embedding takes.
     assert text["vision_vocab_size"] == transformer["prior_vq_quantizer_codebook_size"] == 16384
-    thinker = json.loads((omni / "config.json").read_text())["thinker_config"]["text_config"]
+    omni_config = json.loads((omni / "config.json").read_text())
+    thinker = omni_config["thinker_config"]["text_config"]
+    # token2wav embeds every code the random talker can draw
+    assert (
+        omni_config["token2wav_config"]["dit_config"]["num_embeds"]
+        == omni_config["talker_config"]["vocab_size"]
+    )
     assert (thinker["hidden_size"], thinker["num_hidden_layers"], thinker["vocab_size"]) == (3584, 28, 152064)
 
 
