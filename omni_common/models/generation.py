@@ -7,8 +7,9 @@ and picking its tokens from its own generator (sampling.py); a request stepping 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from omni_common.models.graphed_decode import (
     decoder_of,
     use_graphed_attention,
 )
+from omni_common.models.graphed_extend import GraphedExtend
 from omni_common.models.kv_slots import KVSlot, KVSlots, use_slot_attention
 from omni_common.models.sampling import Sampling, pick_tokens
 
@@ -102,13 +104,15 @@ class SlotGenerator:
         keep_rows: bool = False,
         attention: str = "flex",
         prefill_chunk_tokens: int = 0,
+        extend: bool = False,
     ) -> None:
         """`model`: what the graphed decode runs (its decoder and output head), needed for
         decode "graphs"; `position_rows`: the rows of its rope positions; `keep_rows`: also keep
         each step's last hidden + input embedding (`Launched.extra["rows"]`);
         `prefill_chunk_tokens`: a longer prompt is prefilled this many tokens per step, between
         the decode steps of the others (0: every prompt at once, when it is admitted; a runner
-        that chunks reads it)."""
+        that chunks reads it); `extend`: with the graphed decode, short text prefills run as
+        recorded forwards too (`self.extend`, graphed_extend.py; a runner that uses it)."""
         # The decoder itself: transformers 5.21+ nests the thinker's under a multimodal wrapper.
         text_model = decoder_of(text_model)
         use_slot_attention(text_model)
@@ -131,6 +135,7 @@ class SlotGenerator:
         )
         self.decode = decode_mode(decode, device)
         self.graphed: GraphedDecode | None = None
+        self.extend: GraphedExtend | None = None
         self.pending: tuple[Launched, list[GenerationState]] | None = None
         # Graphed decode: the sampling settings whose steps idle time records at every bucket
         # (a runner's default, then each setting a request brings).
@@ -146,6 +151,7 @@ class SlotGenerator:
                 keep_rows=keep_rows,
                 attention=attention_for(attention, head_dim, device),
             )
+            self.extend = GraphedExtend(self.graphed) if extend else None
 
     def pick(self, states: Sequence[GenerationState], logits: torch.Tensor) -> None:
         """Pick and record each state's next token from its row of `logits`; a state whose row
@@ -176,25 +182,33 @@ class SlotGenerator:
         if self.graphed is not None and sampling.key is not None:
             self.warm_samplings.setdefault(sampling.key, sampling)
 
-    def _unrecorded(self) -> list[tuple[int, Sampling]]:
+    def _unrecorded(self) -> list[tuple[int, Callable[[], None]]]:
+        """What idle time has left to record, each with its rank among its kind's sizes (the
+        decode's buckets and the extend's, taken in turns, the smallest first)."""
         graphed = self.graphed
         if graphed is None or graphed.device.type != "cuda":
             return []  # off CUDA the steps run eagerly: nothing to record
-        return [
-            (size, sampling)
-            for sampling in self.warm_samplings.values()
-            for size in graphed.bucket_sizes()
-            if (size, sampling.key) not in graphed.graphs
+        sizes = graphed.bucket_sizes()
+        missing: list[tuple[int, Callable[[], None]]] = [
+            (sizes.index(size), partial(graphed.prepare, size, s.key, s.processors or None, s.do_sample))
+            for s in self.warm_samplings.values()
+            for size in sizes
+            if (size, s.key) not in graphed.graphs
         ]
+        if self.extend is not None:
+            missing += [
+                (rank, partial(self.extend.prepare, size))
+                for rank, size in enumerate(self.extend.unrecorded())
+            ]
+        return missing
 
     def idle_work(self) -> bool:
-        """HasIdleWork: record one expected step not yet recorded, the smallest bucket first
-        (at real size a recording compiles for about a minute; a request waits for one)."""
+        """HasIdleWork: record one expected step or extend not yet recorded, the smallest
+        first (at real size a recording compiles for up to a minute; a request waits for one)."""
         missing = self._unrecorded()
-        if not missing or self.graphed is None:
+        if not missing:
             return False
-        size, sampling = min(missing, key=lambda item: item[0])
-        self.graphed.prepare(size, sampling.key, sampling.processors or None, sampling.do_sample)
+        min(missing, key=lambda item: item[0])[1]()
         return True
 
     def idle_work_left(self) -> int:

@@ -135,12 +135,15 @@ class KVSlots:
             self.values[layer][slot.index, :, :length] = values[layer][0]
         slot.length = length
 
+    def view(self, slot: KVSlot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """What `slot` caches, in place: per layer keys and values [1, kv_heads, length, head_dim]."""
+        rows, length = slice(slot.index, slot.index + 1), slot.length
+        return tuple(k[rows, :, :length] for k in self.keys), tuple(v[rows, :, :length] for v in self.values)
+
     def read(self, slot: KVSlot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Copies of what `slot` caches: per layer keys and values [1, kv_heads, length, head_dim]."""
-        length = slot.length
-        keys = tuple(layer[slot.index : slot.index + 1, :, :length].clone() for layer in self.keys)
-        values = tuple(layer[slot.index : slot.index + 1, :, :length].clone() for layer in self.values)
-        return keys, values
+        """Copies of what `slot` caches (`view`'s)."""
+        keys, values = self.view(slot)
+        return tuple(k.clone() for k in keys), tuple(v.clone() for v in values)
 
     def batch(self, slots: Sequence[KVSlot]) -> SlotBatch:
         """The cache of one decode forward over `slots` (in that row order)."""

@@ -22,8 +22,7 @@ Text-only requests send text alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -44,6 +43,7 @@ from omni_common.models.prefix_cache import (
 )
 from omni_common.models.prefix_transfer import entry_of, kv_shape_of, prefix_state, split_moved
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
+from omni_common.models.qwen_omni.last_position_head import head_on_last_position
 from omni_common.models.qwen_omni.options import option_int, speaker_of
 from omni_common.models.qwen_omni.processor import OmniProcessor, ThinkerPrompt, load_processor
 from omni_common.models.sampling import Sampling
@@ -53,35 +53,6 @@ MAX_TOKENS = 16384  # per request (prompt + reply) with the eager decode
 # The graphed decode reserves every slot's KV up front (~56 KiB a token at 7B): 64 x 4096 is
 # ~15 GiB on the GPU, beside the thinker's 15 GiB of weights.
 GRAPHED_MAX_TOKENS = 4096
-
-
-class LastPositionHead(torch.nn.Module):
-    """An output head that runs on the last position only: transformers' Qwen2.5-Omni thinker
-    ignores `logits_to_keep` and runs its head on every prompt token (a chunk of 512 at real
-    size: a [512, 152064] product and its 156 MB of bf16 logits, of which a prefill reads one
-    row)."""
-
-    def __init__(self, head: torch.nn.Module) -> None:
-        super().__init__()
-        self.head = head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden[:, -1:])
-
-
-@contextmanager
-def head_on_last_position(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """While a prefill's forward runs, `model.lm_head` computes the last position's logits only
-    (when `enabled`)."""
-    if not enabled:
-        yield
-        return
-    head = cast(torch.nn.Module, model.lm_head)
-    model.lm_head = LastPositionHead(head)
-    try:
-        yield
-    finally:
-        model.lm_head = head
 
 
 @dataclass(kw_only=True, eq=False)
@@ -125,6 +96,7 @@ class Thinker(SlotGenerator):
             position_rows=4,
             keep_rows=True,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            extend=True,
         )
         self.model = model
         self.processor = processor
@@ -285,6 +257,28 @@ class Thinker(SlotGenerator):
         end = prompt.length
         if self.prefill_chunk_tokens:
             end = prompt.chunk_end(start, self.prefill_chunk_tokens)
+        if self._extends(prompt, start, end):
+            logits = self._extend(state, prefill, start, end)
+        else:
+            logits = self._eager_chunk(prompt, prefill, start, end)
+        prefill.done = end
+        if end < prompt.length:
+            return
+        rows = prefill.kept[0] if len(prefill.kept) == 1 else torch.cat(prefill.kept)
+        state.prefill = None
+        if state.slot.length != end:  # (an extend wrote the slot itself)
+            self.fill_slot(state, prefill.cache)
+        self._keep(prompt.key(end), state, rows)
+        if state.speak:
+            bos = int(speaker(self.speakers, speaker_of(state.request))["bos_token"])
+            specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
+            state.first = {"prompt": rows, "specials": self.model.get_input_embeddings()(specials)}
+        self.pick([state], logits)
+        self.join(state, self._decode_positions(state))
+
+    def _eager_chunk(self, prompt: ThinkerPrompt, prefill: Prefill, start: int, end: int) -> torch.Tensor:
+        """transformers' forward over tokens [start, end) into the prefill's cache; their talker
+        rows kept; the last token's logits."""
         with head_on_last_position(self.model, self.last_position_head):
             output = self.model(
                 input_ids=prompt.input_ids[:, start:end],
@@ -301,27 +295,35 @@ class Thinker(SlotGenerator):
         # placeholders (the talker hears the thinker's last layer there, not the features).
         placeholders = torch.isin(prompt.input_ids[0, start:end], self.media_token_ids)
         prefill.kept.append(hidden[-1][0] + hidden[0][0].masked_fill(placeholders.unsqueeze(-1), 0))
-        prefill.done = end
-        if end < prompt.length:
-            return
-        rows = prefill.kept[0] if len(prefill.kept) == 1 else torch.cat(prefill.kept)
-        state.prefill = None
-        self.fill_slot(state, prefill.cache)
-        self._keep(prompt.key(end), end, prefill.cache, rows)
-        if state.speak:
-            bos = int(speaker(self.speakers, speaker_of(state.request))["bos_token"])
-            specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
-            state.first = {"prompt": rows, "specials": self.model.get_input_embeddings()(specials)}
-        self.pick([state], output.logits)
-        self.join(state, self._decode_positions(state))
+        return cast(torch.Tensor, output.logits)
 
-    def _keep(self, key: str, length: int, cache: Any, rows: torch.Tensor | None) -> None:
-        """Keep the cache of the first `length` tokens (copies) for later prompts that start so."""
+    def _extends(self, prompt: ThinkerPrompt, start: int, end: int) -> bool:
+        """Whether tokens [start, end) run as a graphed extend: the prompt's last chunk, short
+        enough for a bucket, text only (a clip or picture takes its features' eager path)."""
+        extend = self.extend
+        if extend is None or end < prompt.length or extend.bucket(end - start) is None:
+            return False
+        return not any(opens < end and start <= closes for opens, closes in prompt.spans)
+
+    def _extend(self, state: ThinkerState, prefill: Prefill, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) as a recorded forward into the slot, after what the prefill
+        cached (a kept prefix, earlier chunks); their talker rows kept; the last token's logits."""
+        assert self.extend is not None
+        if start:
+            self.fill_slot(state, prefill.cache)
+        prompt = state.prompt
+        hidden, embeds, logits = self.extend.run(
+            state.slot, prompt.input_ids[0, start:end], prompt.positions[:, 0, start:end]
+        )
+        prefill.kept.append(hidden + embeds)  # text only: no placeholder to zero
+        return logits.view(1, 1, -1)
+
+    def _keep(self, key: str, state: ThinkerState, rows: torch.Tensor | None) -> None:
+        """Keep what `state`'s slot caches (copies) for later prompts that start so."""
         if self.prefixes.max_bytes <= 0:
             return
-        layers: list[Any] = list(cache.layers)
-        keys = tuple(layer.keys[:, :, :length].clone() for layer in layers)
-        values = tuple(layer.values[:, :, :length].clone() for layer in layers)
+        length = state.slot.length
+        keys, values = self.slots.read(state.slot)
         kept = None if rows is None else rows[:length].clone()
         self.prefixes.put(key, PrefixEntry(length, keys, values, kept))
 

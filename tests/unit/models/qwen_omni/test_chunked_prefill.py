@@ -120,7 +120,7 @@ class Run:
     def __init__(self, thinker: Thinker, gen: GenerationRequest, medium: Medium = None) -> None:
         logits: list[torch.Tensor] = []
         hook = thinker.model.lm_head.register_forward_hook(
-            lambda _m, _i, out: logits.append(out[:, -1].detach())
+            lambda _m, _i, out: logits.append(out.reshape(-1, out.shape[-1])[-1:].detach())
         )
         try:
             state = thinker.prepare(gen, inputs(medium))
