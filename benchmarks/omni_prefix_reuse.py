@@ -126,6 +126,7 @@ def main() -> None:
         (*turn1.messages, ChatTurn("assistant", (("text", "No."),)), ChatTurn("user", (("text", "Why?"),)))
     )
     first_token_ms(thinker, turn1, device)  # warm-up, and the prefix turn 2 reuses
+    first_token_ms(thinker, turn2, device)  # warm-up: on CUDA its new tokens' extend is recorded
     pipe, child_pipe = multiprocessing.get_context("spawn").Pipe()
     child = multiprocessing.get_context("spawn").Process(
         target=receiver, args=(model_dir, args.device, args.dtype, child_pipe)
