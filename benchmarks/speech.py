@@ -212,6 +212,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip transformers' side")
     parser.add_argument("--reference-only", action="store_true", help="transformers' side alone")
     parser.add_argument("--device", default="cpu", help="cuda: the real-size run (a --model is needed)")
+    parser.add_argument("--logs", type=Path, default=None, help="keep the services' logs here")
     parser.add_argument("--dtype", help="default: float32 (cpu), bfloat16 (cuda)")
     parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (chat template included)"
@@ -242,7 +243,7 @@ def main() -> None:
         if not args.no_reference:
             found.update(reference_rows(args, model, ids))
         if not args.reference_only:
-            found.update(cluster_rows(args, model, prompt, Path(scratch)))
+            found.update(cluster_rows(args, model, prompt, args.logs or Path(scratch)))
     if not args.no_reference and not args.reference_only:
         emit(summary="omnistage / transformers", ratios=ratios(args, found))
     if cuda and not args.reference_only:
