@@ -213,6 +213,9 @@ def main() -> None:
     parser.add_argument("--reference-only", action="store_true", help="transformers' side alone")
     parser.add_argument("--device", default="cpu", help="cuda: the real-size run (a --model is needed)")
     parser.add_argument("--logs", type=Path, default=None, help="keep the services' logs here")
+    parser.add_argument(
+        "--ar-decode", default="auto", help="the ar-encoder's --ar-decode (graphs: the talker's recorded too)"
+    )
     parser.add_argument("--dtype", help="default: float32 (cpu), bfloat16 (cuda)")
     parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (chat template included)"
@@ -295,7 +298,11 @@ def cluster_rows(
     if args.device == "cpu":
         plan, timeout_s = loopback_plan(model), 180.0
     else:  # the thinker steps up to the largest concurrency's rows together
-        env = {"OMNISTAGE_DEVICE": args.device, "OMNISTAGE_MAX_BATCH": str(max(args.concurrency))}
+        env = {
+            "OMNISTAGE_DEVICE": args.device,
+            "OMNISTAGE_MAX_BATCH": str(max(args.concurrency)),
+            "OMNISTAGE_AR_DECODE": args.ar_decode,
+        }
         plan, timeout_s = loopback_plan(model, args.dtype, env), 1200.0
     plan, metrics = bursts.with_metrics(plan, "ar-encoder")
     with LocalCluster(plan, log_dir=scratch, start_timeout_s=timeout_s) as cluster:

@@ -30,3 +30,5 @@ STAGE_MODULE_ROLES = {stage.name: stage.module_role for stage in STAGE_TABLE}
 # --max-queue say otherwise.
 MAX_BATCH = 8
 MAX_QUEUE = 64
+# How a replica's generators decode (--ar-decode; models/generation.py's decode_mode).
+DECODE_MODES = ("auto", "eager", "graphs")

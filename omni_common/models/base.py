@@ -133,6 +133,8 @@ class StageContext:
     cache_bypass: bool = False
     # Generators that chunk long prompts' prefills: tokens a step (--prefill-chunk-tokens); 0 = off.
     prefill_chunk_tokens: int = 0
+    # How generators decode (--ar-decode: auto, eager or graphs).
+    ar_decode: str = "auto"
     # torch.compile the stage's model where its family supports it (ar-encoder: the text
     # encoder's layers; vae-decode: the decode at `capture_sizes`; the DiT's execution flags
     # are `denoiser`).

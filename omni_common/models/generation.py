@@ -17,22 +17,17 @@ import torch
 
 from omni_common.errors import InvalidArgument, Unimplemented
 from omni_common.models.base import StageState, StepState
-from omni_common.models.graphed_decode import (
-    GraphedDecode,
-    Launched,
-    attention_for,
-    decoder_of,
-    use_graphed_attention,
-)
+from omni_common.models.graphed_attention import attention_for, use_graphed_attention
+from omni_common.models.graphed_decode import DecodeIO, GraphedDecode, Launched, decoder_of
 from omni_common.models.graphed_extend import GraphedExtend
 from omni_common.models.kv_slots import KVSlot, KVSlots, use_slot_attention
 from omni_common.models.sampling import Sampling, pick_tokens
+from omni_common.stages import DECODE_MODES
 
 MAX_TOKENS = 16384  # per request: prompt + generated tokens a slot holds
 # How decode steps run: "eager" (per-row SDPA, bitwise `generate` for a lone request; the CPU
 # default), "graphs" (graphed_decode.py: one recorded step per batch bucket; CUDA only, the
 # default there), "auto" (graphs on CUDA, eager elsewhere).
-DECODE_MODES = ("auto", "eager", "graphs")
 
 
 def decode_mode(mode: str, device: torch.device) -> str:
@@ -105,6 +100,7 @@ class SlotGenerator:
         attention: str = "flex",
         prefill_chunk_tokens: int = 0,
         extend: bool = False,
+        io: DecodeIO | None = None,
     ) -> None:
         """`model`: what the graphed decode runs (its decoder and output head), needed for
         decode "graphs"; `position_rows`: the rows of its rope positions; `keep_rows`: also keep
@@ -112,7 +108,8 @@ class SlotGenerator:
         `prefill_chunk_tokens`: a longer prompt is prefilled this many tokens per step, between
         the decode steps of the others (0: every prompt at once, when it is admitted; a runner
         that chunks reads it); `extend`: with the graphed decode, short text prefills run as
-        recorded forwards too (`self.extend`, graphed_extend.py; a runner that uses it)."""
+        recorded forwards too (`self.extend`, graphed_extend.py; a runner that uses it); `io`:
+        the graphed decode's step input and head where they are not the model's own."""
         # The decoder itself: transformers 5.21+ nests the thinker's under a multimodal wrapper.
         text_model = decoder_of(text_model)
         use_slot_attention(text_model)
@@ -150,6 +147,7 @@ class SlotGenerator:
                 max_steps=self.slots.max_tokens,
                 keep_rows=keep_rows,
                 attention=attention_for(attention, head_dim, device),
+                io=io,
             )
             self.extend = GraphedExtend(self.graphed) if extend else None
 
@@ -169,18 +167,18 @@ class SlotGenerator:
 
     def check_graphable(self, sampling: Sampling) -> None:
         """INVALID_ARGUMENT for a request the graphed decode cannot pick tokens for."""
-        if self.graphed is not None and sampling.key is None:
+        if self.graphed is not None and sampling.graph_key is None:
             raise InvalidArgument(
                 "this model's generation settings include a logits processor that reads the tokens "
-                "seen (e.g. a repetition penalty), which the graphed decode does not run: serve it "
-                "with the eager decode"
+                "seen (other than a leading repetition penalty), which the graphed decode does not "
+                "run: serve it with the eager decode"
             )
 
     def expect_sampling(self, sampling: Sampling) -> None:
         """Have idle time record the graphed steps of `sampling`'s setting at every batch
         bucket, so a batch that grows into a new bucket replays a step and compiles none."""
-        if self.graphed is not None and sampling.key is not None:
-            self.warm_samplings.setdefault(sampling.key, sampling)
+        if self.graphed is not None and sampling.graph_key is not None:
+            self.warm_samplings.setdefault(sampling.graph_key, sampling)
 
     def _unrecorded(self) -> list[tuple[int, Callable[[], None]]]:
         """What idle time has left to record, each with its rank among its kind's sizes (the
@@ -190,10 +188,10 @@ class SlotGenerator:
             return []  # off CUDA the steps run eagerly: nothing to record
         sizes = graphed.bucket_sizes()
         missing: list[tuple[int, Callable[[], None]]] = [
-            (sizes.index(size), partial(graphed.prepare, size, s.key, s.processors or None, s.do_sample))
+            (sizes.index(size), partial(graphed.prepare, size, s.graph_key, s.processors, s.do_sample))
             for s in self.warm_samplings.values()
             for size in sizes
-            if (size, s.key) not in graphed.graphs
+            if (size, s.graph_key) not in graphed.graphs
         ]
         if self.extend is not None:
             missing += [
@@ -215,12 +213,20 @@ class SlotGenerator:
         return len(self._unrecorded())
 
     def join(self, state: GenerationState, positions: torch.Tensor | None) -> None:
-        """Graphed decode: make the prefilled `state` a row (after `pick` took its first
-        token); its tokens live on the host from here on (the host reads them a step late)."""
+        """Graphed decode: make the prefilled `state` a row from its last picked token (after
+        `pick` took its first; again after a resume restored more); its tokens live on the host
+        from here on (the host reads them a step late)."""
         if self.graphed is None:
             return
-        first = state.sequence[:, state.prompt_length]
-        self.graphed.join(state.slot.index, first, state.slot.length, positions, state.sampling.generator)
+        last = state.sequence[:, state.prompt_length + state.step_index - 1]
+        self.graphed.join(
+            state.slot.index,
+            last.to(self.device),
+            state.slot.length,
+            positions,
+            state.sampling.generator,
+            seen=state.seen if state.sampling.penalty is not None else None,
+        )
         state.sequence = state.sequence.cpu()
         state.launched = state.step_index
 
@@ -233,11 +239,11 @@ class SlotGenerator:
         rows = sorted((s for s in live if s.launched < s.total_steps), key=lambda s: s.slot.index)
         if rows:
             sampling = rows[0].sampling
-            if any(s.sampling.key != sampling.key for s in rows):
+            if any(s.sampling.graph_key != sampling.graph_key for s in rows):
                 raise InvalidArgument("one graphed step takes requests of one sampling setting (batch_key)")
             self.expect_sampling(sampling)
             launched = self.graphed.launch(
-                [s.slot.index for s in rows], sampling.key, sampling.processors or None, sampling.do_sample
+                [s.slot.index for s in rows], sampling.graph_key, sampling.processors, sampling.do_sample
             )
             for state in rows:
                 state.launched += 1
@@ -308,7 +314,7 @@ class SlotGenerator:
     def batch_key(self, state: StepState) -> Hashable:
         if self.graphed is not None:  # one recorded step per sampling setting
             assert isinstance(state, GenerationState)
-            return (str(self.device), self.dtype, state.sampling.key)
+            return (str(self.device), self.dtype, state.sampling.graph_key)
         return (str(self.device), self.dtype)
 
     def step_cost(self, state: StepState) -> int:

@@ -34,95 +34,31 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface
 
 from omni_common.models.fused_projections import fuse_projections
+from omni_common.models.graphed_attention import ATTENTION, RowAttention
 from omni_common.models.kv_slots import KVSlots
+from omni_common.models.sampling import split_penalty
 
 log = logging.getLogger("omnistage.graphed_decode")
 
-GRAPHED_ATTENTION = "omnistage_graphed_rows"
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # batch sizes a graph is recorded for
 KV_BLOCK = 128  # FlexAttention's KV block: a row reads ceil(length / 128) blocks
-ATTENTION = ("flex", "padded")  # "padded": one masked SDPA over the full capacity (measurement)
-# flex_attention's GPU kernels take heads of at least 16 channels (torch 2.11: "NYI" below, at
-# the compile); a smaller head (the tiny test fixtures' 8) runs "padded" instead.
-FLEX_MIN_HEAD_DIM = 16
 # torch.compile's mode for the decode step (None: its default; benchmarks/ar_decode_gpu.py
 # --compile-mode times the others, e.g. inductor's autotuned products for the skinny rows).
 COMPILE_MODE: str | None = None
 
 
-def attention_for(attention: str, head_dim: int, device: torch.device) -> str:
-    """The graphed decode's attention for heads of `head_dim` channels on `device`."""
-    if attention == "flex" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
-        log.info("graphed decode: heads of %d channels, padded attention (flex needs 16)", head_dim)
-        return "padded"
-    return attention
+@dataclass(frozen=True)
+class DecodeIO:
+    """How a decoder's step differs from embed-the-token / decode / model head (the defaults):
+    `inputs(ids [rows], row_inputs [rows, row_width] or None)` makes the step's input
+    embeddings, from the picked tokens and each row's own input the host sets before a launch
+    (`set_row_inputs`; Qwen2.5-Omni's talker adds a thinker row); `head` gives the logits."""
 
-
-_flex: Callable[..., Any] | None = None
-
-
-def _compiled_flex() -> Callable[..., Any]:
-    """flex_attention compiled once per process (its eager form is a reference, not a kernel)."""
-    global _flex
-    if _flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-    return _flex
-
-
-def graphed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    row_attention: RowAttention | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: with `row_attention` (a graphed decode step: `key`
-    and `value` are the rows' whole buffers), each row attends to its own tokens in one call;
-    otherwise transformers' SDPA (prefills)."""
-    if row_attention is None:  # a prefill: transformers' SDPA
-        past = key.shape[2] - query.shape[2]
-        if attention_mask is None and past > 0:
-            # After cached tokens (a reused prefix, an earlier chunk): SDPA's causal flag would
-            # align the mask top-left, so the queries' offset is spelled out.
-            attention_mask = torch.ones(
-                query.shape[2], key.shape[2], dtype=torch.bool, device=query.device
-            ).tril(past)[None, None]
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    scale = cast(float, getattr(module, "scaling", query.shape[-1] ** -0.5))
-    if row_attention.kind == "flex":
-        out = _compiled_flex()(
-            query, key, value, block_mask=row_attention.block_mask, scale=scale, enable_gqa=True
-        )
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=row_attention.padded_mask, scale=scale, enable_gqa=True
-        )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask function of GRAPHED_ATTENTION: decode steps mask per row themselves; prefills
-    (one request, causal, no padding) need none from transformers either: SDPA's causal flag,
-    or `graphed_attention`'s causal mask after cached tokens."""
-    return None
-
-
-@dataclass(eq=False)
-class RowAttention:
-    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask."""
-
-    kind: str
-    block_mask: Any = None
-    padded_mask: torch.Tensor | None = None
+    inputs: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    head: torch.nn.Module | None = None
+    row_width: int = 0
 
 
 class GraphedCache:
@@ -155,14 +91,6 @@ class GraphedCache:
 
     def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         return self.slots.capacity, 0
-
-
-def use_graphed_attention(text_model: Any) -> None:
-    """Make a transformers decoder attend through `graphed_attention` (registered process-wide
-    under GRAPHED_ATTENTION): SDPA for its prefills, rows for graphed steps."""
-    AttentionInterface.register(GRAPHED_ATTENTION, graphed_attention)
-    AttentionMaskInterface.register(GRAPHED_ATTENTION, _no_mask)
-    text_model.set_attn_implementation(GRAPHED_ATTENTION)
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -201,18 +129,22 @@ class GraphedDecode:
         attention: str = "flex",
         compile: bool = True,
         fuse: bool = True,
+        io: DecodeIO | None = None,
     ) -> None:
         """`compile`: on CUDA, compile the forward (fusing its many small kernels) before it is
         recorded; a graph of eager kernels spends ~3 ms a step in their launches' gaps. `fuse`:
         on CUDA, run each layer's q/k/v and gate/up projections as one product each
-        (fused_projections.py; prefills then run them so too)."""
+        (fused_projections.py; prefills then run them so too). `io`: a decoder whose step input
+        is not its token's embedding, or whose head is not the model's output embeddings."""
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, not {attention!r}")
         self.model = model
         self.decoder = decoder_of(model)
         if fuse and slots.device.type == "cuda":
             fuse_projections(self.decoder)
-        self.lm_head = cast(torch.nn.Module, model.get_output_embeddings())  # type: ignore[operator]
+        io = io or DecodeIO()
+        self.lm_head = io.head or cast(torch.nn.Module, model.get_output_embeddings())  # type: ignore[operator]
+        self.inputs = io.inputs or (lambda ids, rows: self.decoder.embed_tokens(ids))  # type: ignore[operator]
         self.slots = slots
         # FlexAttention is a compiled (Triton) kernel: off CUDA the padded form checks the step.
         self.attention = attention if slots.device.type == "cuda" else "padded"
@@ -239,6 +171,11 @@ class GraphedDecode:
         # Rope positions of each slot's picked tokens: [slots, position_rows, max_steps].
         self.rope = torch.zeros(slot_count, position_rows, max_steps, dtype=torch.long, device=device)
         self.generators = [torch.Generator(device) for _ in range(slot_count)]
+        # Per slot, written by the host before a launch: each row's step input (DecodeIO).
+        self.row_inputs = (
+            torch.zeros(slot_count, io.row_width, dtype=slots.dtype, device=device) if io.row_width else None
+        )
+        self._seen: torch.Tensor | None = None  # per slot, the tokens seen ([slots, vocab] bool)
         # Per (bucket, sampling key): the recorded step and its outputs (None, {} off CUDA).
         self.graphs: dict[
             tuple[int, Hashable], tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]
@@ -261,10 +198,12 @@ class GraphedDecode:
         length: int,
         positions: torch.Tensor | None,
         generator: torch.Generator,
+        seen: torch.Tensor | None = None,
     ) -> None:
         """Make slot `slot` a row: `length` tokens cached (its prefill), `first_token` ([1] or
         [1, 1], on the device) picked, `positions` [position_rows, n] the rope positions of its
-        picked tokens (None: text positions, length + i in every row), `generator` its stream."""
+        picked tokens (None: text positions, length + i in every row), `generator` its stream,
+        `seen` the ids its repetition penalty reads so far (prompt and picked), if it has one."""
         self.next_ids[slot : slot + 1].copy_(first_token.view(-1)[:1])
         self.lengths[slot] = length
         self.steps[slot] = 1
@@ -277,6 +216,24 @@ class GraphedDecode:
         # The request's own stream goes on where its prefill's draw left it: the same draws
         # `torch.multinomial` (one sample: an exponential race) would take next.
         self.generators[slot].set_state(generator.get_state())
+        if seen is not None:
+            mask = self.seen_mask()
+            mask[slot] = False
+            mask[slot, seen.view(-1).to(self.device)] = True
+
+    def seen_mask(self) -> torch.Tensor:
+        """[slots, vocab] bool: the tokens each slot's row has seen (its repetition penalty's);
+        allocated once, before any step that reads it is recorded."""
+        if self._seen is None:
+            vocab = int(cast(torch.Tensor, self.lm_head.weight).shape[0])
+            self._seen = torch.zeros(self.slots.max_slots, vocab, dtype=torch.bool, device=self.device)
+        return self._seen
+
+    def set_row_inputs(self, rows: Sequence[int], values: torch.Tensor) -> None:
+        """The next step's input of each slot in `rows` ([len(rows), row_width])."""
+        assert self.row_inputs is not None, "this decoder takes no row inputs (DecodeIO.row_width)"
+        index = torch.tensor(list(rows), device=self.device)
+        self.row_inputs.index_copy_(0, index, values.to(self.row_inputs.dtype))
 
     def bucket(self, rows: Sequence[int]) -> int:
         span = max(rows) + 1
@@ -376,7 +333,8 @@ class GraphedDecode:
         lengths = self.lengths[:size]
         index = (self.steps[:size] - 1).clamp(min=0, max=self.rope.shape[2] - 1).view(size, 1, 1)
         positions = torch.gather(self.rope[:size], 2, index.expand(-1, self.position_rows, 1)).transpose(0, 1)
-        embeds = self.decoder.embed_tokens(self.next_ids[:size])  # type: ignore[operator]
+        rows = None if self.row_inputs is None else self.row_inputs[:size]
+        embeds = self.inputs(self.next_ids[:size], rows)
         output = self.decoder(
             inputs_embeds=embeds.unsqueeze(1),
             position_ids=positions,
@@ -395,7 +353,11 @@ class GraphedDecode:
         ids = self.next_ids[:size]
         hidden, embeds, scores = self._forward_fn(size)
         finite = torch.isfinite(scores).all(dim=-1)
-        if processors is not None:
+        penalty, processors = split_penalty(processors)
+        if penalty is not None:  # transformers' repetition penalty, from each row's mask of seen
+            seen = self.seen_mask()[:size]
+            scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        if processors:
             scores = processors(None, scores)
         if do_sample:  # what torch.multinomial does for one sample, a generator per row
             probs = torch.softmax(scores, dim=-1)
@@ -405,6 +367,10 @@ class GraphedDecode:
             picked = scores.argmax(dim=-1)
         tokens = torch.where(finite, picked, -1)
         self.next_ids[:size].copy_(torch.where(active.bool(), picked, ids))
+        if penalty is not None:
+            row = torch.arange(size, device=self.device)
+            seen = self.seen_mask()
+            seen[row, picked] = seen[row, picked] | active.bool()
         self.lengths[:size].add_(active)
         self.steps[:size].add_(active)
         outputs = {"tokens": tokens}

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode, RowAttention
+from omni_common.models.graphed_attention import RowAttention
+from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode
 from omni_common.models.kv_slots import KVSlot, KVSlots
 
 log = logging.getLogger("omnistage.graphed_extend")

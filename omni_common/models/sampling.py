@@ -15,6 +15,8 @@ import torch
 from transformers import (
     LogitsProcessorList,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -31,6 +33,14 @@ class Sampling:
     # Equal for requests whose processors can run as one batch; None when they read more
     # than their row's scores (e.g. a repetition penalty reads the tokens seen).
     key: Hashable | None
+    # Equal for requests one graphed decode step takes (graphed_decode.py): the key, where a
+    # leading repetition penalty is allowed (the step keeps each row's tokens seen as a mask).
+    graph_key: Hashable | None = None
+
+    @property
+    def penalty(self) -> float | None:
+        """Its leading repetition penalty's factor, if it has one."""
+        return split_penalty(self.processors)[0]
 
     @classmethod
     def build(cls, model: Any, input_ids: torch.Tensor, total: int, seed: int, **generation: Any) -> Sampling:
@@ -39,7 +49,9 @@ class Sampling:
         processors = logits_processors(model, input_ids, total, **generation)
         config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
         generator = torch.Generator(input_ids.device).manual_seed(seed)
-        return cls(processors, bool(config.do_sample), generator, row_wise_key(processors, config.do_sample))
+        do_sample = bool(config.do_sample)
+        key = row_wise_key(processors, do_sample)
+        return cls(processors, do_sample, generator, key, graph_key(processors, do_sample))
 
 
 def logits_processors(
@@ -65,7 +77,13 @@ def logits_processors(
 
 
 # Processors whose output row depends on that row's scores alone (not on the tokens seen).
-ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+ROW_WISE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+)
 
 
 def row_wise_key(processors: LogitsProcessorList, do_sample: bool = True) -> Hashable | None:
@@ -73,7 +91,31 @@ def row_wise_key(processors: LogitsProcessorList, do_sample: bool = True) -> Has
     when one of them reads more than its row's scores."""
     if not all(type(processor) in ROW_WISE for processor in processors):
         return None
-    return (do_sample, tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors))
+    return (do_sample, tuple((type(p).__name__, _settings(p)) for p in processors))
+
+
+def _settings(processor: Any) -> tuple[tuple[str, Hashable], ...]:
+    """A processor's settings, hashable (a tensor of token ids as a tuple)."""
+    return tuple(
+        (name, tuple(value.tolist()) if isinstance(value, torch.Tensor) else value)
+        for name, value in sorted(vars(processor).items())
+    )
+
+
+def split_penalty(processors: LogitsProcessorList) -> tuple[float | None, LogitsProcessorList]:
+    """A leading repetition penalty's factor (None without one) and the processors after it."""
+    first = processors[0] if len(processors) else None
+    if isinstance(first, RepetitionPenaltyLogitsProcessor) and first.prompt_ignore_length is None:
+        return float(first.penalty), LogitsProcessorList(processors[1:])
+    return None, processors
+
+
+def graph_key(processors: LogitsProcessorList, do_sample: bool = True) -> Hashable | None:
+    """The key of one graphed decode step's sampling: `row_wise_key`'s of the processors after
+    a leading repetition penalty, with that penalty (None when another reads the tokens seen)."""
+    penalty, rest = split_penalty(processors)
+    key = row_wise_key(rest, do_sample)
+    return None if key is None else (penalty, key)
 
 
 def pick_tokens(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni_common.runtime.settings import ENV_PREFIX, add_flags, setting, values_from
-from omni_common.stages import MAX_BATCH, MAX_QUEUE, STAGE_TABLE, STAGES
+from omni_common.stages import DECODE_MODES, MAX_BATCH, MAX_QUEUE, STAGE_TABLE, STAGES
 
 # How stages that share a device share its memory (one setting per deployment, read by the
 # coordinator and every stage): none = all resident; swap = the coordinator sleeps and wakes
@@ -171,6 +171,14 @@ class StageConfig(ServiceConfig):
         "between the running replies' decode steps, which then wait for one chunk, not the whole "
         "prompt (a chunk that would split an audio clip, image or video runs to its end); 0 = every "
         "prompt in one forward. Roles that chunk: Qwen2.5-Omni's thinker",
+    )
+    ar_decode: str = setting(
+        "auto",
+        "ar-encoder: how the generators decode (Qwen2.5-Omni's thinker and talker, GLM-Image's "
+        "prior): graphs records each batch bucket's step as a CUDA graph and replays it (off CUDA "
+        "the same step runs unrecorded), eager runs transformers' forward a step; auto: graphs on "
+        "a CUDA device, but the talker eager (its recorded step is not yet measured on a GPU)",
+        choices=DECODE_MODES,
     )
     vllm_memory_fraction: float = setting(
         0.1, "ar-encoder with --backend vllm: share of device memory (CPU: of RAM) for vLLM"

@@ -30,6 +30,7 @@ class EncoderWorker(Worker):
             cache_bytes=config.cache_bytes,
             cache_bypass=config.cache_bypass,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
+            ar_decode=config.ar_decode,
             # --compile on compiles the text encoder's layers; auto leaves them eager: a lone
             # prompt's graph replay beats them (QwenImageEncoder.use_cuda_graphs).
             compile=self.compile_flag() and config.compile == "on",

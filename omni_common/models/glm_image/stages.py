@@ -30,7 +30,13 @@ class GlmImageArStage:
         if context.wants("prior"):
             # Every admitted request holds a KV slot until it finishes (the scheduler steps
             # max_batch of them at a time): rows grow on demand up to the queue bound.
-            prior = GlmImagePrior.load(model_dir, context.device, context.dtype, max_slots=context.max_queue)
+            prior = GlmImagePrior.load(
+                model_dir,
+                context.device,
+                context.dtype,
+                max_slots=context.max_queue,
+                decode=context.ar_decode,
+            )
             self.vision_language_encoder = prior.model
             self._runners["prior"] = prior
         if context.wants("glyph"):

@@ -37,12 +37,17 @@ class QwenOmniStage:
                     max_slots=context.max_queue,
                     prefix_bytes=0 if context.cache_bypass else context.cache_bytes,
                     prefill_chunk_tokens=context.prefill_chunk_tokens,
+                    decode=context.ar_decode,
                 )
                 self.thinker, self._runners["thinker"] = thinker.model, thinker
             if context.wants("talker"):
                 from omni_common.models.qwen_omni.talker import Talker
 
-                talker = Talker.load(model_dir, context.device, context.dtype, max_slots=context.max_queue)
+                # auto: eager until its recorded step is measured on a GPU (--ar-decode graphs).
+                decode = "eager" if context.ar_decode == "auto" else context.ar_decode
+                talker = Talker.load(
+                    model_dir, context.device, context.dtype, max_slots=context.max_queue, decode=decode
+                )
                 self.talker, self._runners["talker"] = talker.model, talker
         elif stage == "dit-denoise":
             from omni_common.models.qwen_omni.token2wav import Token2Wav

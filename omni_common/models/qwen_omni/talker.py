@@ -34,13 +34,17 @@ from transformers import DynamicCache, Qwen2_5OmniTalkerForConditionalGeneration
 
 from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
-from omni_common.models.generation import GenerationState, SlotGenerator
+from omni_common.models.generation import MAX_TOKENS, GenerationState, SlotGenerator, decode_mode
+from omni_common.models.graphed_decode import DecodeIO
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
 from omni_common.models.qwen_omni.options import option_int
 from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta_int, restore_generator
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64
+# The graphed decode reserves every slot's KV up front (~12 KiB a token at real size): 64 x 8192
+# is ~6 GiB.
+GRAPHED_MAX_TOKENS = 8192
 CODES_PER_CHUNK = 12  # one token2wav DiT block (24 mel frames at 2 frames per code)
 # What `generate` passes the talker besides the caps (its keyword defaults).
 TALKER_SAMPLING = {"top_k": 40, "top_p": 0.8, "temperature": 0.9, "repetition_penalty": 1.05}
@@ -66,16 +70,40 @@ class Talker(SlotGenerator):
         device: torch.device,
         dtype: torch.dtype,
         max_slots: int,
+        *,
+        decode: str = "auto",
     ) -> None:
-        # Eager decode on every device: its sampling reads the codes seen (a repetition penalty),
-        # which the graphed decode does not run (and "auto" would pick graphs on CUDA).
-        super().__init__(model.model, device, dtype, max_slots, decode="eager")
+        """`decode`: "graphs" (the CUDA default under "auto") records each batch bucket's step
+        as a CUDA graph: the step's input is the code's embedding plus the thinker row the host
+        sets for it, and the repetition penalty reads a mask of each row's codes seen."""
+        graphed = decode_mode(decode, device) == "graphs"
+        embed = model.get_input_embeddings()
+        super().__init__(
+            model.model,
+            device,
+            dtype,
+            max_slots,
+            GRAPHED_MAX_TOKENS if graphed else MAX_TOKENS,
+            decode=decode,
+            model=model,
+            io=DecodeIO(
+                inputs=lambda codes, rows: model.thinker_to_talker_proj(embed(codes) + rows),
+                head=model.codec_head,
+                row_width=model.config.embedding_size,
+            ),
+        )
         self.model = model
         self.eos = frozenset((model.codec_pad_token, model.codec_eos_token))
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: torch.device, dtype: torch.dtype, max_slots: int = MAX_SLOTS
+        cls,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_slots: int = MAX_SLOTS,
+        *,
+        decode: str = "auto",
     ) -> Talker:
         config = load_config(model_dir)
         model = load_part(
@@ -86,7 +114,7 @@ class Talker(SlotGenerator):
             device,
             dtype,
         )
-        return cls(model, device, dtype, max_slots)
+        return cls(model, device, dtype, max_slots, decode=decode)
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> TalkerState:
@@ -136,7 +164,9 @@ class Talker(SlotGenerator):
                 use_cache=True,
             )
             self.fill_slot(state, cache)
+            self.check_graphable(state.sampling)
             self.pick([state], output.logits)
+            self.join(state, None)
         except BaseException:
             self.slots.release(slot)
             raise
@@ -153,9 +183,14 @@ class Talker(SlotGenerator):
             state.thinker_ended = True
 
     def ready(self, state: StepState) -> bool:
+        """Whether a step has work for `state`: its next input is here, it is done, or (graphed)
+        its launched step is still to be read."""
         assert isinstance(state, TalkerState)
-        if self.is_done(state):
+        if self.is_done(state) or self._has_input(state):
             return True
+        return self.pending is not None and any(s is state for s in self.pending[1])
+
+    def _has_input(self, state: TalkerState) -> bool:
         if state.replay:  # the catch-up reads a row per replayed step
             return len(state.reply) >= state.replay or state.thinker_ended
         return bool(state.reply) or state.thinker_ended
@@ -171,11 +206,14 @@ class Talker(SlotGenerator):
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
-        live = [s for s in self.live(states) if isinstance(s, TalkerState) and self.ready(s)]
+        live = [s for s in self.live(states) if isinstance(s, TalkerState) and self._has_input(s)]
         for state in live:
             if state.replay:
                 self._catch_up(state)
-        live = [state for state in live if self.ready(state)]
+        live = [state for state in live if self._has_input(state)]
+        if self.graphed is not None:
+            self._graphed_step(live)
+            return
         if not live:
             return
         cache = self.slots.batch([state.slot for state in live])
@@ -191,6 +229,16 @@ class Talker(SlotGenerator):
         )
         self.pick(live, output.logits)
         cache.advance()
+
+    def _graphed_step(self, live: list[TalkerState]) -> None:
+        """Launch a recorded step for `live` (each row's thinker input set first), and read the
+        codes of the step launched before."""
+        assert self.graphed is not None
+        launching = [state for state in live if state.launched < state.total_steps]
+        if launching:
+            rows = torch.cat([self._next_row(state) for state in launching])  # [n, H]
+            self.graphed.set_row_inputs([state.slot.index for state in launching], rows)
+        self.graphed_step(launching)
 
     def checkpoint(self, state: StepState) -> StageState:
         """The codes picked so far and the generator: with the thinker's stream, what another
@@ -238,6 +286,7 @@ class Talker(SlotGenerator):
         self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
         self.fill_slot(state, cache)
         state.replay = 0
+        self.join(state, None)  # (graphed) the row goes on from the restored code and generator
 
     def take_partial(self, state: StepState) -> StageState | None:
         """Codes made since the last chunk, CODES_PER_CHUNK at a time (the rest at the end)."""

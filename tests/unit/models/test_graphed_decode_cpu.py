@@ -11,7 +11,7 @@ import torch
 
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
-from omni_common.models.graphed_decode import FLEX_MIN_HEAD_DIM, attention_for
+from omni_common.models.graphed_attention import FLEX_MIN_HEAD_DIM, attention_for
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red cafe", "a blue boat with a long sign", "kite"]
@@ -61,7 +61,7 @@ def test_the_prior_expects_its_one_sampling_setting_and_records_nothing_off_cuda
     assert graphed.graphed is not None and graphed.graphed.bucket_sizes() == [1, 2, 4]
     request = GenerationRequest(prompt=PROMPTS[0], width=64, height=64, seed=3)
     state = graphed.prepare(request, StageState({}))
-    assert list(graphed.warm_samplings) == [state.sampling.key]  # a request's is the load's
+    assert list(graphed.warm_samplings) == [state.sampling.graph_key]  # a request's is the load's
     # Off CUDA the step runs unrecorded: idle time has nothing to record.
     assert graphed.idle_work_left() == 0 and not graphed.idle_work()
     graphed.release(state)

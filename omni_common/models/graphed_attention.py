@@ -1,0 +1,102 @@
+"""The graphed decode's attention (graphed_decode.py, graphed_extend.py): a transformers
+attention function that runs transformers' SDPA for prefills and, for a recorded step, one call
+over every row, each row reading only its own tokens (FlexAttention with a block mask, or a
+padded SDPA with a mask)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+log = logging.getLogger("omnistage.graphed_decode")
+
+GRAPHED_ATTENTION = "omnistage_graphed_rows"
+ATTENTION = ("flex", "padded")  # "padded": one masked SDPA over the full capacity (measurement)
+# flex_attention's GPU kernels take heads of at least 16 channels (torch 2.11: "NYI" below, at
+# the compile); a smaller head (the tiny test fixtures' 8) runs "padded" instead.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def attention_for(attention: str, head_dim: int, device: torch.device) -> str:
+    """The graphed decode's attention for heads of `head_dim` channels on `device`."""
+    if attention == "flex" and device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+        log.info("graphed decode: heads of %d channels, padded attention (flex needs 16)", head_dim)
+        return "padded"
+    return attention
+
+
+_flex: Callable[..., Any] | None = None
+
+
+def _compiled_flex() -> Callable[..., Any]:
+    """flex_attention compiled once per process (its eager form is a reference, not a kernel)."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _flex
+
+
+def graphed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    row_attention: RowAttention | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: with `row_attention` (a graphed decode step: `key`
+    and `value` are the rows' whole buffers), each row attends to its own tokens in one call;
+    otherwise transformers' SDPA (prefills)."""
+    if row_attention is None:  # a prefill: transformers' SDPA
+        past = key.shape[2] - query.shape[2]
+        if attention_mask is None and past > 0:
+            # After cached tokens (a reused prefix, an earlier chunk): SDPA's causal flag would
+            # align the mask top-left, so the queries' offset is spelled out.
+            attention_mask = torch.ones(
+                query.shape[2], key.shape[2], dtype=torch.bool, device=query.device
+            ).tril(past)[None, None]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    scale = cast(float, getattr(module, "scaling", query.shape[-1] ** -0.5))
+    if row_attention.kind == "flex":
+        out = _compiled_flex()(
+            query, key, value, block_mask=row_attention.block_mask, scale=scale, enable_gqa=True
+        )
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=row_attention.padded_mask, scale=scale, enable_gqa=True
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask function of GRAPHED_ATTENTION: decode steps mask per row themselves; prefills
+    (one request, causal, no padding) need none from transformers either: SDPA's causal flag,
+    or `graphed_attention`'s causal mask after cached tokens."""
+    return None
+
+
+@dataclass(eq=False)
+class RowAttention:
+    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask."""
+
+    kind: str
+    block_mask: Any = None
+    padded_mask: torch.Tensor | None = None
+
+
+def use_graphed_attention(text_model: Any) -> None:
+    """Make a transformers decoder attend through `graphed_attention` (registered process-wide
+    under GRAPHED_ATTENTION): SDPA for its prefills, rows for graphed steps."""
+    AttentionInterface.register(GRAPHED_ATTENTION, graphed_attention)
+    AttentionMaskInterface.register(GRAPHED_ATTENTION, _no_mask)
+    text_model.set_attn_implementation(GRAPHED_ATTENTION)

@@ -1,0 +1,53 @@
+"""The talker's graphed decode (graphed_decode.py with DecodeIO: each step's input is the code's
+embedding plus the thinker row the host sets, the repetition penalty from a mask of the codes
+each row has seen), run unrecorded on the CPU (tiny fixture, float32): fed the thinker's
+chunks as the stage streams them, it picks the eager talker's codes, greedy and sampled, alone
+and three requests batched. The recorded form runs on a GPU: tests/gpu/test_graphed_talker_gpu.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_common.models.base import StageState
+from omni_common.models.qwen_omni.talker import Talker
+from omni_common.models.qwen_omni.thinker import Thinker
+from tests.unit.models.qwen_omni.test_runners import PROMPT, request, run_role
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def thinker(omni_model: Path) -> Iterator[Thinker]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Thinker.load(omni_model, CPU, torch.float32)
+    torch.set_num_threads(threads)
+
+
+def codes(talker: Talker, thinking: list[list[StageState]], sample: int, seeds: list[int]) -> list[list[int]]:
+    chunks = run_role(talker, [request(seed=s, talker_do_sample=sample) for s in seeds], thinking)
+    assert not talker.slots.active
+    return [torch.cat([c.tensors["codes"] for c in out]).tolist() for out in chunks]
+
+
+@pytest.mark.parametrize("sample", [0, 1])
+def test_the_graphed_talker_picks_the_eager_codes_alone_and_batched(
+    thinker: Thinker, omni_model: Path, sample: int
+) -> None:
+    seeds = [1, 2, 3]
+    prompts = [PROMPT, "Hi!", "Sing."]
+    thinking = [
+        run_role(thinker, [request(seed=s, prompt=p)], [[]])[0] for s, p in zip(seeds, prompts, strict=True)
+    ]
+    eager = Talker.load(omni_model, CPU, torch.float32, decode="eager")
+    graphed = Talker.load(omni_model, CPU, torch.float32, decode="graphs")
+    assert eager.graphed is None and graphed.graphed is not None
+    expected = codes(eager, thinking, sample, seeds)
+    assert sum(len(c) for c in expected) > 30
+    assert codes(graphed, thinking, sample, seeds) == expected  # batched
+    for i, seed in enumerate(seeds):  # and alone
+        assert codes(graphed, [thinking[i]], sample, [seed]) == [expected[i]]
