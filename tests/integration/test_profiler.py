@@ -107,7 +107,15 @@ def test_ctrl_c_in_the_profile_command_stops_the_replicas_profile(cluster: InPro
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
-        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        argv,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A Ctrl-C as a terminal sends it: a shell that started these tests in the background
+        # had SIGINT ignored, which the command would inherit (Python then raises nothing).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stderr is not None
     line = process.stderr.readline()
