@@ -25,14 +25,13 @@ from omni_common.models.sampling import Sampling, pick_tokens
 from omni_common.stages import DECODE_MODES
 
 MAX_TOKENS = 16384  # per request: prompt + generated tokens a slot holds
-# How decode steps run: "eager" (per-row SDPA, bitwise `generate` for a lone request; the CPU
-# default), "graphs" (graphed_decode.py: one recorded step per batch bucket; CUDA only, the
-# default there), "auto" (graphs on CUDA, eager elsewhere).
 
 
 def decode_mode(mode: str, device: torch.device) -> str:
-    """`mode` resolved for `device` ("graphs" off CUDA runs the same step unrecorded, for
-    tests); ValueError for an unknown mode."""
+    """`mode` (DECODE_MODES) resolved for `device`: "eager" runs per-row SDPA, bitwise
+    `generate` for a lone request; "graphs" one recorded step per batch bucket
+    (graphed_decode.py; off CUDA the same step runs unrecorded, for tests); "auto" is graphs on
+    CUDA, eager elsewhere. ValueError for an unknown mode."""
     if mode not in DECODE_MODES:
         raise ValueError(f"decode mode must be one of {DECODE_MODES}, not {mode!r}")
     if mode == "auto":

@@ -71,11 +71,12 @@ class Talker(SlotGenerator):
         dtype: torch.dtype,
         max_slots: int,
         *,
-        decode: str = "auto",
+        decode: str = "eager",
     ) -> None:
-        """`decode`: "graphs" (the CUDA default under "auto") records each batch bucket's step
-        as a CUDA graph: the step's input is the code's embedding plus the thinker row the host
-        sets for it, and the repetition penalty reads a mask of each row's codes seen."""
+        """`decode`: "graphs" (or "auto" on CUDA) records each batch bucket's step as a CUDA
+        graph: the step's input is the code's embedding plus the thinker row the host sets for
+        it, and the repetition penalty reads a mask of each row's codes seen. Eager by default
+        until that has run on a GPU (the stage's --ar-decode auto keeps it so too)."""
         graphed = decode_mode(decode, device) == "graphs"
         embed = model.get_input_embeddings()
         super().__init__(
@@ -103,7 +104,7 @@ class Talker(SlotGenerator):
         dtype: torch.dtype,
         max_slots: int = MAX_SLOTS,
         *,
-        decode: str = "auto",
+        decode: str = "eager",
     ) -> Talker:
         config = load_config(model_dir)
         model = load_part(
