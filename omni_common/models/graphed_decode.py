@@ -61,14 +61,32 @@ class DecodeIO:
     row_width: int = 0
 
 
-class GraphedCache:
-    """`past_key_values` of a graphed step: writes each row's new key/value at its length and
-    hands the attention the rows' whole buffers (the mask limits what each row reads)."""
+class SlotRowsCache:
+    """The `past_key_values` side of a recorded forward over KVSlots' whole rows (the attention's
+    mask limits what each query reads): what transformers' mask helpers ask of a cache."""
 
     is_compileable = False
 
-    def __init__(self, slots: KVSlots, rows: int, write_at: torch.Tensor) -> None:
+    def __init__(self, slots: KVSlots) -> None:
         self.slots = slots
+
+    # Transformers' mask helpers size their (unused) masks from these; no host sync in them.
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
+        return self.slots.capacity - 1
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return self.slots.capacity, 0
+
+
+class GraphedCache(SlotRowsCache):
+    """`past_key_values` of a graphed step: writes each row's new key/value at its length and
+    hands the attention the rows' whole buffers (the mask limits what each row reads)."""
+
+    def __init__(self, slots: KVSlots, rows: int, write_at: torch.Tensor) -> None:
+        super().__init__(slots)
         self.rows = rows
         self.row_index = torch.arange(rows, device=write_at.device)
         self.write_at = write_at  # [rows] this step's position per row (its length before it)
@@ -81,16 +99,6 @@ class GraphedCache:
         keys[self.row_index, :, self.write_at] = key[:, :, 0]
         values[self.row_index, :, self.write_at] = value[:, :, 0]
         return keys, values
-
-    # Transformers' mask helpers size their (unused) masks from these; no host sync in them.
-    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
-        return self.slots.capacity - 1
-
-    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        return self.slots.capacity, 0
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from omni_common.models.graphed_attention import RowAttention
-from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode
+from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode, SlotRowsCache
 from omni_common.models.kv_slots import KVSlot, KVSlots
 
 log = logging.getLogger("omnistage.graphed_extend")
@@ -36,14 +36,12 @@ log = logging.getLogger("omnistage.graphed_extend")
 EXTEND_BUCKETS = (16, 32, 64, 128, 256)  # token counts a forward is recorded for
 
 
-class ExtendCache:
+class ExtendCache(SlotRowsCache):
     """`past_key_values` of an extend: writes the tokens' keys/values into the slot's row from
     its cached length and hands the attention that row (a copy of the slot's buffer)."""
 
-    is_compileable = False
-
     def __init__(self, slots: KVSlots, slot: torch.Tensor, positions: torch.Tensor) -> None:
-        self.slots = slots
+        super().__init__(slots)
         self.slot = slot  # [1] the row
         self.positions = positions  # [count] where each token's key goes (clamped to the row)
 
@@ -55,16 +53,6 @@ class ExtendCache:
         keys[where] = key.transpose(1, 2)  # [1, count, kv_heads, head_dim]
         values[where] = value.transpose(1, 2)
         return keys.index_select(0, self.slot), values.index_select(0, self.slot)
-
-    # Transformers' mask helpers size their (unused) masks from these; no host sync in them.
-    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
-        return self.slots.capacity - 1
-
-    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        return self.slots.capacity, 0
 
 
 class GraphedExtend:
