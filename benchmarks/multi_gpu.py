@@ -91,11 +91,14 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
     label = f"{gpus} GPU" + (" eager" if eager and gpus == 1 else "")
     out: dict[tuple[int, bool], Any] = {}
     started = time.perf_counter()
+    plan, metrics = bursts.with_metrics(plan_for(args, gpus, eager), "dit-denoise")
     with (
-        LocalCluster(plan_for(args, gpus, eager), log_dir, start_timeout_s=1800) as cluster,
+        LocalCluster(plan, log_dir, start_timeout_s=1800) as cluster,
         Client(cluster.coordinator) as client,
     ):
         emit({"dit": label, "start_s": round(time.perf_counter() - started, 1)})
+        # The graphs of --sizes are recorded while idle after start: time none of that.
+        emit({"dit": label, "idle_work_wait_s": bursts.wait_idle_work(metrics)})
         for size in args.sizes:
             for cfg in (False, True):
                 guidance = {"negative_prompt": NEGATIVE, "guidance": 4.0} if cfg else {"guidance": 1.0}

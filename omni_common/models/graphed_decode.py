@@ -294,20 +294,11 @@ class GraphedDecode:
         self, size: int, processors: Any, do_sample: bool
     ) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
         """Warm up (compiles FlexAttention for this shape) on a side stream, then record."""
-
-        saved = [self.next_ids.clone(), self.lengths.clone(), self.steps.clone()]
-        # Warm-ups draw from scratch generators: the rows' own streams stay where they are.
-        scratch = [torch.Generator(self.device) for _ in range(size)]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step(size, processors, do_sample, scratch)
+            self._warm_up(size, processors, do_sample)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        # The warm-ups advanced the rows: put them back (their KV writes land at each row's
-        # length, where its next step writes again).
-        for tensor, value in zip((self.next_ids, self.lengths, self.steps), saved, strict=True):
-            tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
         for generator in self.generators[:size]:
             graph.register_generator_state(generator)
@@ -316,6 +307,23 @@ class GraphedDecode:
         self.pool = graph.pool()
         self.captures += 1
         return graph, outputs
+
+    def _warm_up(self, size: int, processors: Any, do_sample: bool) -> None:
+        """Step rows 0..size-1 twice (what compiles this shape), then put every row back as it
+        was: its next token, length, step count and seen codes (a recording can come while
+        requests are live: the warm-ups' picks are nobody's). Their draws come from scratch
+        generators, so the rows' own streams stay where they are; their KV writes land at each
+        row's length, where its next step writes again."""
+        penalty, _ = split_penalty(processors)
+        state = [self.next_ids, self.lengths, self.steps]
+        if penalty is not None:
+            state.append(self.seen_mask())
+        saved = [tensor.clone() for tensor in state]
+        scratch = [torch.Generator(self.device) for _ in range(size)]
+        for _ in range(2):
+            self._step(size, processors, do_sample, scratch)
+        for tensor, value in zip(state, saved, strict=True):
+            tensor.copy_(value)
 
     def _row_attention(self, size: int, kv_length: torch.Tensor) -> RowAttention:
         capacity = self.slots.capacity

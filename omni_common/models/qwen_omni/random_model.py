@@ -2,9 +2,12 @@
 weights. Every process that loads one (each of the thinker, talker, token2wav and vocoder roles)
 builds the same seeded weights of its part on its device (`checkpoint.load_part`).
 
-`full_size`: Qwen2.5-Omni-7B's architecture (transformers' `Qwen2_5OmniConfig` defaults: thinker
-7 B with its audio and vision towers, talker, token2wav), with the fixture's tokenizer (ids only
-need to fit the 152,064-row embedding) and speakers of the real widths; token2wav's codec
+`full_size`: Qwen2.5-Omni-7B's architecture, 10.7 B parameters: the thinker's 7 B language model
+with its audio (0.64 B) and vision (0.67 B) towers, the talker (1.35 B), token2wav (0.45 B).
+transformers' `Qwen2_5OmniConfig` defaults hold for all but two parts, which the published
+config.json sets: the talker (896 wide, 24 layers; the defaults give a 6.6 B one, the thinker's
+width) and the vision tower (1,280 wide; the defaults give 3.1 B). The fixture's tokenizer (ids
+only need to fit the 152,064-row embedding) and speakers of the real widths; token2wav's codec
 embedding has a row for each of the talker's 8,448 ids (not 8,193), as the tiny fixture's has.
 Otherwise the tiny fixture's config.
 """
@@ -31,10 +34,21 @@ from omni_common.models.qwen_omni.fixture import (
 from omni_common.models.qwen_omni.processor import preprocessor_config
 from omni_common.models.weights import RANDOM_WEIGHTS_FILE
 
+# Where Qwen2.5-Omni-7B's config.json differs from transformers' defaults (the parts' sizes).
+TALKER_7B = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 18944,
+}
+VISION_7B = {"hidden_size": 1280}
+
 
 def full_size_config(tokenizer: Any) -> Qwen2_5OmniConfig:
     """Qwen2.5-Omni-7B's config, its text-side special ids those of `tokenizer`."""
-    config: Any = Qwen2_5OmniConfig()
+    config: Any = Qwen2_5OmniConfig(thinker_config={"vision_config": VISION_7B}, talker_config=TALKER_7B)
     tiny: Any = build_config(tokenizer)
     text, tiny_text = config.thinker_config.text_config, tiny.thinker_config.text_config
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -42,8 +42,8 @@ from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta
 from omni_common.models.sampling import Sampling
 
 MAX_SLOTS = 64
-# The graphed decode reserves every slot's KV up front (~12 KiB a token at real size): 64 x 8192
-# is ~6 GiB.
+# The graphed decode reserves every slot's KV up front (48 KiB a token at real size: 24 layers,
+# 4 KV heads of 128): 64 x 8192 is 24 GiB, beside the talker's 2.7 GB of weights.
 GRAPHED_MAX_TOKENS = 8192
 CODES_PER_CHUNK = 12  # one token2wav DiT block (24 mel frames at 2 frames per code)
 # What `generate` passes the talker besides the caps (its keyword defaults).

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, Qwen2_5OmniForConditionalGeneration
 
 from omni_common.models.glm_image.prior import GlmImagePrior
 from omni_common.models.glm_image.random_model import write_random_model as write_glm
@@ -47,6 +48,23 @@ def test_full_size_directories_hold_the_real_configs_and_no_weights(tmp_path: Pa
         == omni_config["talker_config"]["vocab_size"]
     )
     assert (thinker["hidden_size"], thinker["num_hidden_layers"], thinker["vocab_size"]) == (3584, 28, 152064)
+
+
+def test_the_full_size_omni_has_qwen2_5_omni_7b_parts(tmp_path: Path) -> None:
+    """The published sizes (10.7 B in all), built on the meta device: transformers' defaults
+    alone make the talker 6.6 B and the vision tower 3.1 B."""
+    config = AutoConfig.from_pretrained(write_omni(tmp_path / "omni", full_size=True))
+    with torch.device("meta"):
+        model = Qwen2_5OmniForConditionalGeneration(config)
+
+    def billions(module: torch.nn.Module) -> float:
+        return round(sum(p.numel() for p in module.parameters()) / 1e9, 2)
+
+    parts = model.thinker.model
+    assert billions(parts.language_model) == 7.07
+    assert (billions(parts.audio_tower), billions(parts.visual)) == (0.64, 0.68)
+    assert (billions(model.talker), billions(model.token2wav)) == (1.35, 0.45)
+    assert billions(model) == 10.73
 
 
 @pytest.mark.parametrize("family", ["glm-image", "qwen2.5-omni"])

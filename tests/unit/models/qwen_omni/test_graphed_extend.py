@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -59,11 +60,23 @@ class Reply:
         hook = thinker.model.lm_head.register_forward_hook(
             lambda _m, _i, out: logits.append(out.reshape(-1, out.shape[-1])[-1:].detach())
         )
+        extend = thinker.extend
+        if extend is not None:  # a replayed graph runs no hook: take the extend's own logits
+            run = extend.run
+
+            def recording(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                out = run(*args)
+                logits.append(out[2])
+                return out
+
+            extend.run = recording  # type: ignore[method-assign]
         tensors = {input_audio_name(0): torch.frombuffer(bytearray(clip()), dtype=torch.uint8)}
         try:
             state = thinker.prepare(gen, StageState(tensors if gen.audios else {}))
         finally:
             hook.remove()
+            if extend is not None:
+                del extend.run  # the class's again
         assert state.prefill is None  # prefilled at admission
         self.first_logits = logits[-1]
         self.rows = state.first["prompt"]

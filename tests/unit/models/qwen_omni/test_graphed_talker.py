@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from omni_common.models.base import StageState
 from omni_common.models.qwen_omni.talker import Talker
@@ -51,3 +52,23 @@ def test_the_graphed_talker_picks_the_eager_codes_alone_and_batched(
     assert codes(graphed, thinking, sample, seeds) == expected  # batched
     for i, seed in enumerate(seeds):  # and alone
         assert codes(graphed, [thinking[i]], sample, [seed]) == [expected[i]]
+
+
+def test_a_recordings_warm_ups_leave_the_live_rows_as_they_were(omni_model: Path) -> None:
+    """A step is recorded after two warm-up steps (they compile its shape); one can come while
+    requests are live, so the warm-ups put back every row's next code, length, step count and
+    seen codes (the repetition penalty's): their picks are nobody's."""
+    talker = Talker.load(omni_model, CPU, torch.float32, max_slots=2, decode="graphs")
+    decode = talker.graphed
+    assert decode is not None
+    for slot in (0, 1):
+        generator = torch.Generator().manual_seed(slot)
+        decode.join(slot, torch.tensor([5 + slot]), 3, None, generator, seen=torch.tensor([1, 2]))
+    decode.active[:2] = 1
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.05)])
+    live = [t.clone() for t in (decode.next_ids, decode.lengths, decode.steps, decode.seen_mask())]
+    decode._warm_up(2, processors, do_sample=True)
+    after = (decode.next_ids, decode.lengths, decode.steps, decode.seen_mask())
+    assert all(torch.equal(a, b) for a, b in zip(after, live, strict=True))
+    decode._step(2, processors, True, decode.generators[:2])  # a real step moves all four
+    assert not any(torch.equal(a, b) for a, b in zip(after, live, strict=True))
