@@ -298,9 +298,13 @@ def cluster_rows(
     if args.device == "cpu":
         plan, timeout_s = loopback_plan(model), 180.0
     else:  # the thinker steps up to the largest concurrency's rows together
+        # The queue bound is the slots' count, whose batch buckets idle time records after start
+        # (about a minute each at real size): room for the thinker's and the talker's requests
+        # of the largest concurrency, and no more.
         env = {
             "OMNISTAGE_DEVICE": args.device,
             "OMNISTAGE_MAX_BATCH": str(max(args.concurrency)),
+            "OMNISTAGE_MAX_QUEUE": str(2 * max(args.concurrency)),
             "OMNISTAGE_AR_DECODE": args.ar_decode,
         }
         plan, timeout_s = loopback_plan(model, args.dtype, env), 1200.0
