@@ -46,6 +46,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,12 +165,20 @@ def synced(device: torch.device) -> None:
 
 
 async def our_side(
-    address: str, prompt: str, concurrency: int, tokens: int, codes: int, rounds: int, feed_tokens: int
+    address: str,
+    prompt: str,
+    concurrency: int,
+    tokens: int,
+    codes: int,
+    rounds: int,
+    feed_tokens: int,
+    settle: Callable[[], float],
 ) -> dict[str, float]:
     """Streamed replies through the cluster: ms to the first text, to the first AudioChunk and
-    to the end."""
+    to the end. A warm-up round first, then `settle` (what the warm-up set off: the graphs of a
+    sampling setting met for the first time, recorded while idle) before the timed rounds."""
     options = {"max_new_tokens": tokens, "talker_max_new_tokens": codes, "feed_tokens": feed_tokens}
-    firsts, texts, dones, audio_s, wall = [], [], [], 0.0, 0.0
+    firsts, texts, dones, audio_s, wall, settled_s = [], [], [], 0.0, 0.0, 0.0
 
     async def reply(client: AsyncClient, seed: int) -> tuple[float, float, float, float]:
         started = time.perf_counter()
@@ -187,7 +196,9 @@ async def our_side(
         for round_ in range(rounds + 1):
             started = time.perf_counter()
             results = await asyncio.gather(*(reply(client, round_ * 100 + i) for i in range(concurrency)))
-            if round_:
+            if not round_:
+                settled_s = settle()
+            else:
                 wall += time.perf_counter() - started
                 firsts += [r[0] for r in results]
                 dones += [r[1] for r in results]
@@ -198,6 +209,7 @@ async def our_side(
         "first_audio_ms": statistics.median(firsts),
         "done_ms": statistics.median(dones),
         "rtf": wall / audio_s,
+        "idle_work_after_warm_up_s": settled_s,
     }
 
 
@@ -316,7 +328,16 @@ def cluster_rows(
             for k in args.feed_tokens:
                 fed = talker_feeds(metrics)
                 ours = asyncio.run(
-                    our_side(cluster.coordinator, prompt, c, args.tokens, args.codes, args.rounds, k)
+                    our_side(
+                        cluster.coordinator,
+                        prompt,
+                        c,
+                        args.tokens,
+                        args.codes,
+                        args.rounds,
+                        k,
+                        settle=lambda: bursts.wait_idle_work(metrics),
+                    )
                 )
                 ours["feeds_per_reply"] = (talker_feeds(metrics) - fed) / (c * (args.rounds + 1))
                 found[f"ours k={k}", c] = ours

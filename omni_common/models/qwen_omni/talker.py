@@ -95,6 +95,10 @@ class Talker(SlotGenerator):
         )
         self.model = model
         self.eos = frozenset((model.codec_pad_token, model.codec_eos_token))
+        # A request with the default options: its graphed steps get recorded while idle, before
+        # the first reply (a recording holds the step loop for up to a minute at real size).
+        codes = torch.tensor([[model.codec_pad_token, model.codec_bos_token]], device=device)
+        self.expect_sampling(self._sampling(GenerationRequest(prompt=""), codes, 1))
 
     @classmethod
     def load(
@@ -117,6 +121,20 @@ class Talker(SlotGenerator):
         )
         return cls(model, device, dtype, max_slots, decode=decode)
 
+    def _sampling(self, request: GenerationRequest, codec_prompt: torch.Tensor, total: int) -> Sampling:
+        m = self.model
+        return Sampling.build(
+            m,
+            codec_prompt,
+            total,
+            request.seed,
+            do_sample=bool(option_int(request, "talker_do_sample")),
+            suppress_tokens=[m.codec_bos_token],
+            eos_token_id=sorted(self.eos),
+            pad_token_id=m.codec_pad_token,
+            **TALKER_SAMPLING,
+        )
+
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> TalkerState:
         """The prefill over the thinker's first chunk, which picks the first code."""
@@ -137,17 +155,7 @@ class Talker(SlotGenerator):
                 step_index=0,
                 total_steps=total,
                 slot=slot,
-                sampling=Sampling.build(
-                    m,
-                    codec_prompt,
-                    total,
-                    request.seed,
-                    do_sample=bool(option_int(request, "talker_do_sample")),
-                    suppress_tokens=[m.codec_bos_token],
-                    eos_token_id=sorted(self.eos),
-                    pad_token_id=m.codec_pad_token,
-                    **TALKER_SAMPLING,
-                ),
+                sampling=self._sampling(request, codec_prompt, total),
                 eos=self.eos,
                 sequence=torch.cat([codec_prompt, codec_prompt.new_zeros(1, total)], dim=1),
                 prompt_length=length,

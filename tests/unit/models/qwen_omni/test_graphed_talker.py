@@ -72,3 +72,13 @@ def test_a_recordings_warm_ups_leave_the_live_rows_as_they_were(omni_model: Path
     assert all(torch.equal(a, b) for a, b in zip(after, live, strict=True))
     decode._step(2, processors, True, decode.generators[:2])  # a real step moves all four
     assert not any(torch.equal(a, b) for a, b in zip(after, live, strict=True))
+
+
+def test_the_default_sampling_is_expected_from_load(omni_model: Path) -> None:
+    """Idle time records the default request's graphed steps before any reply: the talker
+    expects its sampling setting from load (recording one holds the step loop for up to a minute
+    at real size)."""
+    talker = Talker.load(omni_model, CPU, torch.float32, max_slots=2, decode="graphs")
+    sampling = talker._sampling(request(seed=5), torch.tensor([[1, 2, 3]]), 40)
+    assert sampling.graph_key is not None
+    assert list(talker.warm_samplings) == [sampling.graph_key]
