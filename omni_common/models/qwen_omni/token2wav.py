@@ -38,13 +38,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from transformers import Qwen2_5OmniToken2WavModel
 
 from omni_common.errors import InvalidArgument
+from omni_common.execution.compile_cache import decisions_for
+from omni_common.execution.cuda_graphs import CudaGraphCache
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.options import option_int, speaker_of
@@ -88,24 +90,35 @@ class Token2WavState(StepState):
 
 
 class Token2Wav:
-    """The "token2wav" role (a StreamingRunner). Runs in float32, as transformers runs it."""
+    """The "token2wav" role (a StreamingRunner). Runs in float32, as transformers runs it.
 
-    def __init__(self, dit: Any, speakers: dict[str, dict[str, Any]], device: torch.device) -> None:
+    With `cuda_graphs` (the stage's --cuda-graphs) each DiT forward is replayed as a CUDA graph,
+    one per batch and window length, captured at its first use: a window's forward is small and
+    launch-bound (eager on an H100: ~20 ms a forward, four to an RK4 interval). A replay runs the
+    captured kernels on the same inputs, so the mel is the eager one's."""
+
+    def __init__(
+        self, dit: Any, speakers: dict[str, dict[str, Any]], device: torch.device, cuda_graphs: bool = False
+    ) -> None:
         self.dit = dit
         self.speakers = speakers
         self.device = device
+        self.graphs: CudaGraphCache | None = None
+        if cuda_graphs and device.type == "cuda":
+            decisions = decisions_for("token2wav-graphs", device, dit.config.to_dict())
+            self.graphs = CudaGraphCache(device, decisions=decisions)
         self.repeats: int = dit.repeats
         self.block: int = dit.block_size
         self.mel_dim: int = dit.mel_dim
         self.codes_limit: int = dit.text_embed.codec_embed.num_embeddings
 
     @classmethod
-    def load(cls, model_dir: Path, device: torch.device) -> Token2Wav:
+    def load(cls, model_dir: Path, device: torch.device, cuda_graphs: bool = False) -> Token2Wav:
         config = load_config(model_dir).token2wav_config
         token2wav = load_part(
             Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
         )
-        return cls(token2wav.code2wav_dit_model, load_speakers(model_dir), device)
+        return cls(token2wav.code2wav_dit_model, load_speakers(model_dir), device, cuda_graphs)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> Token2WavState:
         voice = speaker(self.speakers, speaker_of(request))
@@ -236,14 +249,23 @@ class Token2Wav:
         assert all(windows)
         cfg = states[0].guidance >= 1e-5
         frames = y[0].shape[1]
-        output = self.dit(
-            hidden_states=torch.cat(y),
-            speaker_embedding=torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s in states]),
-            condition_vector=torch.cat([s.ref_mel for s in states]),
-            quantized_code=torch.cat([w.codes for w in windows if w]),
-            time_step=torch.stack(times),
-            apply_cfg=cfg,
-        )
+        inputs = {
+            "hidden_states": torch.cat(y),
+            "speaker_embedding": torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s in states]),
+            "condition_vector": torch.cat([s.ref_mel for s in states]),
+            "quantized_code": torch.cat([w.codes for w in windows if w]),
+            "time_step": torch.stack(times),
+        }
+
+        def forward(given: dict[str, torch.Tensor]) -> torch.Tensor:
+            return cast(torch.Tensor, self.dit(**given, apply_cfg=cfg))
+
+        output = None
+        if self.graphs is not None:
+            key = (cfg, *(tuple(value.shape) for value in inputs.values()))
+            output = self.graphs.run(key, inputs, forward, decision_key="velocity")
+        if output is None:
+            output = forward(inputs)
         if not cfg:
             return list(output.split(1))
         guided, null = torch.chunk(output, 2, dim=0)
@@ -331,4 +353,5 @@ class Token2Wav:
         pass
 
     def forget_cuda_graphs(self) -> None:
-        pass
+        if self.graphs is not None:
+            self.graphs.clear()
