@@ -177,7 +177,7 @@ class StageConfig(ServiceConfig):
         "ar-encoder: how the generators decode (Qwen2.5-Omni's thinker and talker, GLM-Image's "
         "prior): graphs records each batch bucket's step as a CUDA graph and replays it (off CUDA "
         "the same step runs unrecorded), eager runs transformers' forward a step; auto: graphs on "
-        "a CUDA device, but the talker eager (its recorded step is not yet measured on a GPU)",
+        "a CUDA device, eager elsewhere",
         choices=DECODE_MODES,
     )
     vllm_memory_fraction: float = setting(

@@ -43,10 +43,12 @@ class QwenOmniStage:
             if context.wants("talker"):
                 from omni_common.models.qwen_omni.talker import Talker
 
-                # auto: eager until its recorded step is measured on a GPU (--ar-decode graphs).
-                decode = "eager" if context.ar_decode == "auto" else context.ar_decode
                 talker = Talker.load(
-                    model_dir, context.device, context.dtype, max_slots=context.max_queue, decode=decode
+                    model_dir,
+                    context.device,
+                    context.dtype,
+                    max_slots=context.max_queue,
+                    decode=context.ar_decode,
                 )
                 self.talker, self._runners["talker"] = talker.model, talker
         elif stage == "dit-denoise":

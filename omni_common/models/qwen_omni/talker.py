@@ -75,8 +75,8 @@ class Talker(SlotGenerator):
     ) -> None:
         """`decode`: "graphs" (or "auto" on CUDA) records each batch bucket's step as a CUDA
         graph: the step's input is the code's embedding plus the thinker row the host sets for
-        it, and the repetition penalty reads a mask of each row's codes seen. Eager by default
-        until that has run on a GPU (the stage's --ar-decode auto keeps it so too)."""
+        it, and the repetition penalty reads a mask of each row's codes seen (the stage's
+        --ar-decode auto: graphs on a GPU, as the thinker's)."""
         graphed = decode_mode(decode, device) == "graphs"
         embed = model.get_input_embeddings()
         super().__init__(
