@@ -226,7 +226,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cuda: the real-size run (a --model is needed)")
     parser.add_argument("--logs", type=Path, default=None, help="keep the services' logs here")
     parser.add_argument(
-        "--ar-decode", default="auto", help="the ar-encoder's --ar-decode (auto: the thinker and the talker graphed on a GPU)"
+        "--ar-decode",
+        default="auto",
+        help="the ar-encoder's --ar-decode (auto: the thinker and the talker graphed on a GPU)",
     )
     parser.add_argument("--dtype", help="default: float32 (cpu), bfloat16 (cuda)")
     parser.add_argument(

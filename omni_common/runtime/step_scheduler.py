@@ -246,13 +246,15 @@ class StepScheduler:
         except Exception:
             log.exception("%s: idle work failed; no more of it", self.name)
             self._idle_ok = False
+            self._count_idle_work()  # none left: none will run (a caller waiting on it goes on)
             return False
         self._count_idle_work()
         return done
 
     def _count_idle_work(self) -> None:
         runner = self.runner
-        self.totals.idle_work_left = runner.idle_work_left() if isinstance(runner, HasIdleWork) else 0
+        left = runner.idle_work_left() if isinstance(runner, HasIdleWork) else 0
+        self.totals.idle_work_left = left if self._idle_ok else 0
 
     def _plan(self) -> StepPlan:
         """step_policy's plan for the jobs as they are now."""

@@ -262,6 +262,39 @@ def test_idle_work_the_runner_has_from_the_start_begins_before_any_request(tiny_
     assert run_async(main) == 0 and runner.units == 0
 
 
+class IdleFailing(IdleCounting):
+    """Idle work that fails (a CUDA graph that cannot be recorded) with units still counted."""
+
+    def idle_work(self) -> bool:
+        raise RuntimeError("cannot record this graph")
+
+
+def test_failed_idle_work_stops_and_counts_none_left_and_requests_still_run(
+    runners, tiny_model: Path
+) -> None:
+    """The scheduler stops a runner's idle work at its first failure; the metric then says none
+    is left (a benchmark waiting for it goes on) and requests are served as before."""
+    runner = IdleFailing.load(tiny_model, CPU, torch.float32)
+    runner.units = 3
+    c = call(runners, "after a failed recording", seed=3, num_inference_steps=2)
+
+    async def main(compute: Compute) -> tuple[StageState, int]:
+        scheduler = StepScheduler(runner, compute)
+        assert scheduler.totals.idle_work_left == 3
+        for _ in range(300):  # the loop starts on the idle work, which fails at once
+            if scheduler.totals.idle_work_left == 0:
+                break
+            await asyncio.sleep(0.01)
+        left = scheduler.totals.idle_work_left
+        result = await result_of(scheduler.run(c))
+        scheduler.close()
+        return result, left
+
+    result, left = run_async(main)
+    assert left == 0 and runner.units == 3
+    torch.testing.assert_close(result.tensors["latents"], alone(runners[1], c), atol=TOL, rtol=0)
+
+
 def test_cfg_and_plain_requests_in_one_stream_each_batch_with_their_own_kind(runners, overlap) -> None:
     calls = [
         call(runners, "cfg one", negative_prompt="blurry", true_cfg_scale=4.0, seed=3),
