@@ -143,13 +143,16 @@ def runs_of(sizes: list[int]) -> str:
 def flags_on_host(flags: list[bool | torch.Tensor]) -> list[bool | torch.Tensor]:
     """NaN flags as host values; flags on a GPU are copied into pinned memory without waiting
     (valid once the step's end event, recorded after the copy, has passed): reading a device
-    value directly would wait for every step queued behind it."""
-    if not flags or not all(isinstance(f, torch.Tensor) and f.is_cuda for f in flags):
-        return [bool(flag) for flag in flags]
-    device = torch.stack([torch.as_tensor(flag).reshape(()) for flag in flags])
-    host = torch.empty(device.shape, dtype=torch.bool, pin_memory=True)
-    host.copy_(device, non_blocking=True)
-    return list(host)
+    value directly would wait for every step queued behind it. Flags on the host become bools."""
+    on_device = [i for i, flag in enumerate(flags) if isinstance(flag, torch.Tensor) and flag.is_cuda]
+    out: list[bool | torch.Tensor] = [flag if i in on_device else bool(flag) for i, flag in enumerate(flags)]
+    if on_device:
+        device = torch.stack([torch.as_tensor(flags[i]).reshape(()) for i in on_device])
+        host = torch.empty(device.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(device, non_blocking=True)
+        for i, value in zip(on_device, host, strict=True):
+            out[i] = value
+    return out
 
 
 def joined(parts: list[Launched]) -> Launched | None:

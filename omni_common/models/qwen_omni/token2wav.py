@@ -73,6 +73,7 @@ class Window:
 class Token2WavState(StepState):
     streamed: bool
     guidance: float
+    scale: torch.Tensor  # [1] the guidance on the device, read by the solver
     cond: torch.Tensor  # [1, enc_emb_dim]
     ref_mel: torch.Tensor  # [1, T_ref, mel_dim]
     generator: torch.Generator
@@ -92,11 +93,11 @@ class Token2WavState(StepState):
 class Token2Wav:
     """The "token2wav" role (a StreamingRunner). Runs in float32, as transformers runs it.
 
-    With `cuda_graphs` (the stage's --cuda-graphs) each DiT forward is replayed as a CUDA graph,
-    one per batch and window length, captured at its first use: a window's forward is small and
-    launch-bound (at real size on an H100: 33.3 ms eager, 6.6 ms replayed; four to an RK4
-    interval). A replay runs the captured kernels, so the mel is the eager one's within float
-    rounding (tests/gpu/test_qwen_omni_resume_gpu.py holds it to 1e-5)."""
+    With `cuda_graphs` (the stage's --cuda-graphs) each RK4 interval (four DiT forwards and the
+    solver's arithmetic) is replayed as one CUDA graph per batch and window length, captured at
+    its first use: a window's forward is small and launch-bound (at real size on an H100: 33.3 ms
+    eager, 6.6 ms replayed as a graph of its own). A replay runs the captured kernels, so the mel
+    is the eager one's within float rounding (tests/gpu/test_qwen_omni_resume_gpu.py: 1e-5)."""
 
     def __init__(
         self, dit: Any, speakers: dict[str, dict[str, Any]], device: torch.device, cuda_graphs: bool = False
@@ -132,6 +133,7 @@ class Token2Wav:
             total_steps=steps - 1,
             streamed=bool(option_int(request, "stream_audio")),
             guidance=request.true_cfg_scale,
+            scale=self._on_device([request.true_cfg_scale], torch.float32),
             cond=voice["cond"].to(self.device, torch.float32),
             ref_mel=voice["ref_mel"].to(self.device, torch.float32),
             generator=torch.Generator(self.device).manual_seed(request.seed),
@@ -170,6 +172,14 @@ class Token2Wav:
         assert isinstance(state, Token2WavState)
         return state.window is not None or self._next_window(state) is not None or self.is_done(state)
 
+    def _on_device(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        """`values` as a tensor on the device, copied without waiting for the work queued there
+        (a copy from pageable memory would)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def _noise(self, state: Token2WavState, frames: int) -> torch.Tensor:
         """The utterance's noise from frame `noise_from` up to `frames`, drawn in order as it
         is needed."""
@@ -193,7 +203,7 @@ class Token2Wav:
         limit = self.dit.config.max_position_embeddings
         if end > limit:
             raise InvalidArgument(f"the reply's mel is {end} frames; token2wav holds at most {limit}")
-        codes = torch.tensor([state.codes[start // self.repeats : end // self.repeats]], device=self.device)
+        codes = self._on_device([state.codes[start // self.repeats : end // self.repeats]], torch.long)
         noise = self._noise(state, end)[:, start - state.noise_from : end - state.noise_from]
         state.window = Window(start, end, out_start, out_end, noise.clone(), codes)
 
@@ -215,64 +225,64 @@ class Token2Wav:
         live = [s for s in live if s.window is not None]
         if not live:
             return
-        starts = [s.times[s.window.interval] for s in live if s.window]
-        ends = [s.times[s.window.interval + 1] for s in live if s.window]
-        y = [s.window.y for s in live if s.window]
-        dt = [end - start for start, end in zip(starts, ends, strict=True)]
-        third, two_thirds = 1 / 3, 2 / 3
-        k1 = self._velocity(live, starts, y)
-        k2 = self._velocity(
-            live,
-            [t + h * third for t, h in zip(starts, dt, strict=True)],
-            [v + h * a * third for v, h, a in zip(y, dt, k1, strict=True)],
-        )
-        k3 = self._velocity(
-            live,
-            [t + h * two_thirds for t, h in zip(starts, dt, strict=True)],
-            [v + h * (b - a * third) for v, h, a, b in zip(y, dt, k1, k2, strict=True)],
-        )
-        k4 = self._velocity(
-            live, ends, [v + h * (a - b + c) for v, h, a, b, c in zip(y, dt, k1, k2, k3, strict=True)]
-        )
-        for i, state in enumerate(live):
-            window = state.window
-            assert window is not None
-            window.y = window.y + (k1[i] + 3 * (k2[i] + k3[i]) + k4[i]) * dt[i] / 8
+        windows = [s.window for s in live if s.window]
+        frames = windows[0].y.shape[1]
+        inputs = {
+            "y": torch.cat([w.y for w in windows]),
+            "start": torch.stack([s.times[w.interval] for s, w in zip(live, windows, strict=True)]),
+            "end": torch.stack([s.times[w.interval + 1] for s, w in zip(live, windows, strict=True)]),
+            "speaker": torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s in live]),
+            "reference": torch.cat([s.ref_mel for s in live]),
+            "codes": torch.cat([w.codes for w in windows]),
+            "guidance": torch.cat([s.scale for s in live]),
+        }
+        cfg = live[0].guidance >= 1e-5
+
+        def interval(given: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self._interval(given, cfg)
+
+        y = None
+        if self.graphs is not None:
+            key = (cfg, *(tuple(value.shape) for value in inputs.values()))
+            y = self.graphs.run(key, inputs, interval, decision_key="interval")
+        if y is None:
+            y = interval(inputs)
+        for state, window, row in zip(live, windows, y.split(1), strict=True):
+            window.y = row
             window.interval += 1
             if window.interval == state.total_steps:
                 self._close(state)
 
+    def _interval(self, given: dict[str, torch.Tensor], cfg: bool) -> torch.Tensor:
+        """One RK4 interval of `sample`'s solver for a batch of windows: `RungeKutta4ODESolver`'s
+        3/8 rule, each row's arithmetic elementwise as the solver does it for one utterance."""
+        y, start, end = given["y"], given["start"], given["end"]
+        dt = end - start
+        h = dt.view(-1, 1, 1)
+        third, two_thirds = 1 / 3, 2 / 3
+        k1 = self._velocity(given, start, y, cfg)
+        k2 = self._velocity(given, start + dt * third, y + h * k1 * third, cfg)
+        k3 = self._velocity(given, start + dt * two_thirds, y + h * (k2 - k1 * third), cfg)
+        k4 = self._velocity(given, end, y + h * (k1 - k2 + k3), cfg)
+        return y + (k1 + 3 * (k2 + k3) + k4) * h / 8
+
     def _velocity(
-        self, states: list[Token2WavState], times: list[torch.Tensor], y: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """The guided ODE function of `sample` for each state, in one DiT forward."""
-        windows = [s.window for s in states]
-        assert all(windows)
-        cfg = states[0].guidance >= 1e-5
-        frames = y[0].shape[1]
-        inputs = {
-            "hidden_states": torch.cat(y),
-            "speaker_embedding": torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s in states]),
-            "condition_vector": torch.cat([s.ref_mel for s in states]),
-            "quantized_code": torch.cat([w.codes for w in windows if w]),
-            "time_step": torch.stack(times),
-        }
-
-        def forward(given: dict[str, torch.Tensor]) -> torch.Tensor:
-            return cast(torch.Tensor, self.dit(**given, apply_cfg=cfg))
-
-        output = None
-        if self.graphs is not None:
-            key = (cfg, *(tuple(value.shape) for value in inputs.values()))
-            output = self.graphs.run(key, inputs, forward, decision_key="velocity")
-        if output is None:
-            output = forward(inputs)
+        self, given: dict[str, torch.Tensor], time: torch.Tensor, y: torch.Tensor, cfg: bool
+    ) -> torch.Tensor:
+        """The guided ODE function of `sample` for every row, in one DiT forward (conditional
+        and unconditional rows together)."""
+        output = self.dit(
+            hidden_states=y,
+            speaker_embedding=given["speaker"],
+            condition_vector=given["reference"],
+            quantized_code=given["codes"],
+            time_step=time,
+            apply_cfg=cfg,
+        )
         if not cfg:
-            return list(output.split(1))
+            return cast(torch.Tensor, output)
         guided, null = torch.chunk(output, 2, dim=0)
-        return [
-            g + (g - n) * s.guidance for g, n, s in zip(guided.split(1), null.split(1), states, strict=True)
-        ]
+        return guided + (guided - null) * given["guidance"].view(-1, 1, 1)
 
     def _close(self, state: Token2WavState) -> None:
         window = state.window
@@ -302,9 +312,9 @@ class Token2Wav:
         assert isinstance(state, Token2WavState)
         return state.ended and state.window is None and not state.pending and self._next_window(state) is None
 
-    def is_finite(self, state: StepState) -> bool:
+    def is_finite(self, state: StepState) -> bool | torch.Tensor:
         assert isinstance(state, Token2WavState)
-        return state.window is None or bool(torch.isfinite(state.window.y).all())
+        return True if state.window is None else torch.isfinite(state.window.y).all()
 
     def preview(self, state: StepState) -> np.ndarray | None:
         return None
