@@ -5,7 +5,8 @@ replayed as a CUDA graph, for one utterance and for several stepped together.
     python benchmarks/token2wav_gpu.py --model /tmp/qwen-omni-full [--codes 240] [--batch 1 8]
 
 Each utterance is `--codes` random codec tokens (240 = 4.8 s of audio), streamed: the windows
-the stage solves as the codes arrive, all codes here at once. Per setting (eager, graphs) and
+the stage solves as the codes arrive, all codes here at once. Per setting (eager; each interval
+a CUDA graph; the same with the DiT's forward compiled, as the stage's defaults on a GPU) and
 batch size: the median device time of a step (CUDA events around `Token2Wav.step`, as the step
 scheduler logs it), the median host time inside `step` (launching it), and the wall time of
 every utterance of the batch over the audio's seconds (the real-time factor of token2wav alone;
@@ -95,11 +96,17 @@ def main() -> None:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     emit({"bench": "token2wav_gpu", "device": name, "codes": args.codes})
-    for graphs in (False, True) if device.type == "cuda" else (False,):
-        role = Token2Wav.load(args.model, device, cuda_graphs=graphs)
+    modes = [(False, False), (True, False), (True, True)] if device.type == "cuda" else [(False, False)]
+    for graphs, compiled in modes:
+        role = Token2Wav.load(args.model, device, cuda_graphs=graphs, compile=compiled)
+        started = time.perf_counter()
+        while role.idle_work():  # what the stage does while idle: the compile, common graphs
+            pass
+        setting = {"cuda_graphs": graphs, "compile": compiled}
+        emit({**setting, "idle_work_s": round(time.perf_counter() - started, 1)})
         for batch in args.batch:
             solve(role, batch, args.codes)  # warm-up: kernels chosen, graphs captured
-            emit({"cuda_graphs": graphs, "batch": batch, **solve(role, batch, args.codes)})
+            emit({**setting, "batch": batch, **solve(role, batch, args.codes)})
         del role
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -54,7 +54,8 @@ class QwenOmniStage:
         elif stage == "dit-denoise":
             from omni_common.models.qwen_omni.token2wav import Token2Wav
 
-            token2wav = Token2Wav.load(model_dir, context.device, cuda_graphs=context.denoiser.cuda_graphs)
+            options = context.denoiser
+            token2wav = Token2Wav.load(model_dir, context.device, options.cuda_graphs, options.compile)
             self.dit, self._runners["token2wav"] = token2wav.dit, token2wav
         else:
             from omni_common.models.qwen_omni.vocoder import Vocoder

@@ -49,10 +49,13 @@ from omni_common.execution.compile_cache import decisions_for
 from omni_common.execution.cuda_graphs import CudaGraphCache
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
-from omni_common.models.qwen_omni.options import option_int, speaker_of
+from omni_common.models.qwen_omni.options import DEFAULT_SPEAKER, option_int, speaker_of
 from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta_int, restore_generator
 
 FIRST_BLOCKS, CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 1, 3, 2, 1
+# (batch, blocks) of the streamed windows every reply solves: the first (FIRST_BLOCKS and the
+# future), the second (from frame 0), the steady ones (past, chunk, future); a pair batched.
+WARM_SHAPES = ((1, 2), (1, 5), (1, 6), (2, 6))
 SWAY = -1.0  # Qwen2_5OmniToken2WavModel's sway_coefficient
 
 
@@ -97,30 +100,45 @@ class Token2Wav:
     solver's arithmetic) is replayed as one CUDA graph per batch and window length, captured at
     its first use: a window's forward is small and launch-bound (at real size on an H100: 33.3 ms
     eager, 6.6 ms replayed as a graph of its own). A replay runs the captured kernels, so the mel
-    is the eager one's within float rounding (tests/gpu/test_qwen_omni_resume_gpu.py: 1e-5)."""
+    is the eager one's within float rounding (tests/gpu/test_qwen_omni_resume_gpu.py: 1e-5).
+    With `compile` (the stage's --compile) the DiT's forward is compiled once for every batch
+    and window length (dynamic shapes). Either way `idle_work` runs the windows every reply
+    solves (WARM_SHAPES) before a request has to wait for their compile or capture."""
 
     def __init__(
-        self, dit: Any, speakers: dict[str, dict[str, Any]], device: torch.device, cuda_graphs: bool = False
+        self,
+        dit: Any,
+        speakers: dict[str, dict[str, Any]],
+        device: torch.device,
+        cuda_graphs: bool = False,
+        compile: bool = False,
     ) -> None:
         self.dit = dit
         self.speakers = speakers
         self.device = device
+        # One compile for every batch and window length (dynamic shapes); graphs per shape.
+        self._forward = torch.compile(dit.forward, dynamic=True) if compile else dit.forward
         self.graphs: CudaGraphCache | None = None
         if cuda_graphs and device.type == "cuda":
-            decisions = decisions_for("token2wav-graphs", device, dit.config.to_dict())
+            model = {**dit.config.to_dict(), "compiled": compile}  # a compiled forward's gain differs
+            decisions = decisions_for("token2wav-graphs", device, model)
             self.graphs = CudaGraphCache(device, decisions=decisions)
         self.repeats: int = dit.repeats
         self.block: int = dit.block_size
         self.mel_dim: int = dit.mel_dim
         self.codes_limit: int = dit.text_embed.codec_embed.num_embeddings
+        # Shapes run once while idle (idle_work): the compile, and the common windows' graphs.
+        self._unwarmed = list(WARM_SHAPES) if compile or self.graphs is not None else []
 
     @classmethod
-    def load(cls, model_dir: Path, device: torch.device, cuda_graphs: bool = False) -> Token2Wav:
+    def load(
+        cls, model_dir: Path, device: torch.device, cuda_graphs: bool = False, compile: bool = False
+    ) -> Token2Wav:
         config = load_config(model_dir).token2wav_config
         token2wav = load_part(
             Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
         )
-        return cls(token2wav.code2wav_dit_model, load_speakers(model_dir), device, cuda_graphs)
+        return cls(token2wav.code2wav_dit_model, load_speakers(model_dir), device, cuda_graphs, compile)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> Token2WavState:
         voice = speaker(self.speakers, speaker_of(request))
@@ -236,22 +254,25 @@ class Token2Wav:
             "codes": torch.cat([w.codes for w in windows]),
             "guidance": torch.cat([s.scale for s in live]),
         }
-        cfg = live[0].guidance >= 1e-5
-
-        def interval(given: dict[str, torch.Tensor]) -> torch.Tensor:
-            return self._interval(given, cfg)
-
-        y = None
-        if self.graphs is not None:
-            key = (cfg, *(tuple(value.shape) for value in inputs.values()))
-            y = self.graphs.run(key, inputs, interval, decision_key="interval")
-        if y is None:
-            y = interval(inputs)
+        y = self._run(inputs, cfg=live[0].guidance >= 1e-5)
         for state, window, row in zip(live, windows, y.split(1), strict=True):
             window.y = row
             window.interval += 1
             if window.interval == state.total_steps:
                 self._close(state)
+
+    def _run(self, inputs: dict[str, torch.Tensor], cfg: bool) -> torch.Tensor:
+        """One RK4 interval of a batch: replayed as a CUDA graph where one is kept, else eager."""
+
+        def interval(given: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self._interval(given, cfg)
+
+        if self.graphs is not None:
+            key = (cfg, *(tuple(value.shape) for value in inputs.values()))
+            y = self.graphs.run(key, inputs, interval, decision_key="interval")
+            if y is not None:
+                return y
+        return interval(inputs)
 
     def _interval(self, given: dict[str, torch.Tensor], cfg: bool) -> torch.Tensor:
         """One RK4 interval of `sample`'s solver for a batch of windows: `RungeKutta4ODESolver`'s
@@ -271,7 +292,7 @@ class Token2Wav:
     ) -> torch.Tensor:
         """The guided ODE function of `sample` for every row, in one DiT forward (conditional
         and unconditional rows together)."""
-        output = self.dit(
+        output = self._forward(
             hidden_states=y,
             speaker_embedding=given["speaker"],
             condition_vector=given["reference"],
@@ -283,6 +304,34 @@ class Token2Wav:
             return cast(torch.Tensor, output)
         guided, null = torch.chunk(output, 2, dim=0)
         return guided + (guided - null) * given["guidance"].view(-1, 1, 1)
+
+    @torch.no_grad()
+    def idle_work(self) -> bool:
+        """HasIdleWork: one common shape's interval run on placeholder inputs (the default
+        speaker, zero codes and mel), so that the compile and the graph a first request would
+        wait for are done before it comes."""
+        if not self._unwarmed:
+            return False
+        batch, blocks = self._unwarmed.pop(0)
+        voice = speaker(self.speakers, DEFAULT_SPEAKER)
+        frames = blocks * self.block
+        cond = voice["cond"].to(self.device, torch.float32)
+        self._run(
+            {
+                "y": torch.zeros(batch, frames, self.mel_dim, device=self.device),
+                "start": torch.zeros(batch, device=self.device),
+                "end": torch.full((batch,), 0.1, device=self.device),
+                "speaker": cond.unsqueeze(1).repeat(batch, frames, 1),
+                "reference": voice["ref_mel"].to(self.device, torch.float32).repeat(batch, 1, 1),
+                "codes": torch.zeros(batch, frames // self.repeats, dtype=torch.long, device=self.device),
+                "guidance": torch.full((batch,), 0.5, device=self.device),
+            },
+            cfg=True,
+        )
+        return True
+
+    def idle_work_left(self) -> int:
+        return len(self._unwarmed)
 
     def _close(self, state: Token2WavState) -> None:
         window = state.window
@@ -366,3 +415,4 @@ class Token2Wav:
     def forget_cuda_graphs(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()
+            self._unwarmed = list(WARM_SHAPES)

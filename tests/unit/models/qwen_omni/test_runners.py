@@ -20,7 +20,7 @@ from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
-from omni_common.models.qwen_omni.token2wav import Token2Wav
+from omni_common.models.qwen_omni.token2wav import WARM_SHAPES, Token2Wav
 from omni_common.models.qwen_omni.vocoder import Vocoder
 
 CPU = torch.device("cpu")
@@ -161,6 +161,26 @@ def test_requests_batched_in_one_step_get_their_lone_results(roles: Roles) -> No
         assert torch.equal(batched.text_ids, alone.text_ids)
         assert torch.equal(batched.codes, alone.codes)
         torch.testing.assert_close(batched.waveform, alone.waveform, rtol=0, atol=1e-5)
+
+
+def test_token2wav_idle_work_runs_each_common_window_once_and_leaves_requests_alone(roles: Roles) -> None:
+    """Idle work (what a compiled or graphed role does before its first request, here eager on
+    the CPU) runs WARM_SHAPES' intervals on placeholders; a request's mel is unchanged by it."""
+    gen = request(seed=4, stream_audio=1)
+    (rows,) = run_role(roles.thinker, [gen], [[]])
+    (codes,) = run_role(roles.talker, [gen], [rows])
+    (want,) = run_role(roles.token2wav, [gen], [codes])
+    role = Token2Wav(roles.token2wav.dit, roles.token2wav.speakers, CPU)
+    assert role.idle_work_left() == 0 and not role.idle_work()  # eager: nothing to prepare
+    role._unwarmed = list(WARM_SHAPES)
+    done = 0
+    while role.idle_work():
+        done += 1
+    assert done == len(WARM_SHAPES) and role.idle_work_left() == 0
+    (got,) = run_role(role, [gen], [codes])
+    assert [c.meta for c in got] == [c.meta for c in want]
+    for a, b in zip(got, want, strict=True):
+        assert all(torch.equal(a.tensors[name], b.tensors[name]) for name in b.tensors)
 
 
 def test_an_unknown_speaker_is_invalid(roles: Roles) -> None:
