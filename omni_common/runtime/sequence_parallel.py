@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -92,7 +93,7 @@ def exchange(pieces: list[torch.Tensor], incoming: list[tuple[int, ...]], group:
     """All-to-all of uneven pieces: `pieces[r]` goes to rank r; returns what each rank sent
     here, shaped as `incoming[r]`. One flat buffer each way (one collective)."""
     send = torch.cat([piece.reshape(-1) for piece in pieces])
-    counts = [int(torch.Size(shape).numel()) for shape in incoming]
+    counts = [math.prod(shape) for shape in incoming]  # sizes stay symbolic where they are
     received = torch.empty(sum(counts), dtype=send.dtype, device=send.device)
     dist.all_to_all_single(received, send, counts, [piece.numel() for piece in pieces], group=group.handle)
     return [part.reshape(shape) for part, shape in zip(received.split(counts), incoming, strict=True)]
@@ -112,7 +113,9 @@ class SequenceParallel:
             raise SystemExit("sequence parallel does not split this DiT's per-token modulation (zero_cond_t)")
         self.full, self.halves, self.pairs = new_groups(world)
         self.group: Group | None = None  # set by `use` for one forward
-        self._text_len = 0
+        # The image tokens' shares of the forward under way (set per forward, fixed by the
+        # image size). The prompt's length is read from the attention's inputs, never stored:
+        # compiled blocks would guard on a stored value and compile again for each length.
         self._token_shares: list[int] = []
         self.dit.register_forward_pre_hook(self._split_tokens, with_kwargs=True)
         self.dit.register_forward_hook(self._gather_output)
@@ -169,7 +172,6 @@ class SequenceParallel:
             raise ValueError(
                 f"sequence parallel needs {self.plan.tokens!r} and {self.plan.text!r} as keyword arguments"
             )
-        self._text_len = text.shape[1]
         self._token_shares = shares(tokens.shape[1], group.size)
         if min(self._token_shares) == 0:
             raise ValueError(f"{tokens.shape[1]} image tokens do not split over {group.size} devices")
@@ -222,8 +224,9 @@ class SequenceParallel:
         """Joint attention over [text (replicated), this rank's image tokens], all heads in,
         all heads out; in between, every rank attends with its share of the heads over all
         tokens."""
-        length, tokens, me = self._text_len, self._token_shares, group.rank
-        batch, _, heads, dim = query.shape
+        tokens, me = self._token_shares, group.rank
+        batch, joint_length, heads, dim = query.shape
+        length = joint_length - tokens[me]  # the prompt's tokens (symbolic under dynamic shapes)
         head_shares = shares(heads, group.size)
         lo = sum(head_shares[:me])
         mine = slice(lo, lo + head_shares[me])
