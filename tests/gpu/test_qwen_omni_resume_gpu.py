@@ -86,6 +86,7 @@ def test_token2wav_replayed_as_cuda_graphs_makes_the_eager_mel(
         assert [c.meta for c in got] == [c.meta for c in want]
         for a, b in zip(got, want, strict=True):
             for name in b.tensors:
-                worst = max(worst, float((a.tensors[name] - b.tensors[name]).abs().max()))
+                if b.tensors[name].numel():  # the last chunk's lookahead is empty
+                    worst = max(worst, float((a.tensors[name] - b.tensors[name]).abs().max()))
                 torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=tolerance)
     print(f"token2wav graphed (compile={compile}) vs eager: max difference {worst:.3g}")
