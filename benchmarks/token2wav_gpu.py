@@ -9,7 +9,7 @@ the stage solves as the codes arrive, all codes here at once. Per setting (eager
 a CUDA graph; the same with the DiT's forward compiled, as the stage's defaults on a GPU) and
 batch size: the median device time of a step (CUDA events around `Token2Wav.step`, as the step
 scheduler logs it), the median host time inside `step` (launching it), and the wall time of
-every utterance of the batch over the audio's seconds (the real-time factor of token2wav alone;
+the batch over the seconds of audio its utterances make (the real-time factor of token2wav alone;
 the first pass, which captures the graphs, is a warm-up and not timed). One JSON line each.
 """
 
@@ -71,7 +71,7 @@ def solve(role: Token2Wav, batch: int, codes: int) -> dict[str, float]:
         device_ms.append(events[0].elapsed_time(events[1]) if events else host_ms[-1])
     sync(role.device)
     wall_s = time.perf_counter() - started
-    audio_s = codes * role.repeats * HOP / SAMPLE_RATE
+    audio_s = batch * codes * role.repeats * HOP / SAMPLE_RATE  # every utterance's audio
     return {
         "steps": len(device_ms),
         "step_device_ms_p50": round(statistics.median(device_ms), 2),
