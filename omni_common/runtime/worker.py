@@ -107,7 +107,7 @@ class Worker(LoraControl):
             self.stage,
             self.model_name,
             self.family.name,
-            self.device,
+            self.device_name,  # a replica over several devices names them, not its own CPU
             config.dtype,
             torch.get_num_threads(),
             ", ".join(spec.name for spec in self.role_specs),
