@@ -140,7 +140,7 @@ class StageContext:
     # are `denoiser`).
     compile: bool = False
     # Replay forwards as CUDA graphs where the family's stage model has them (ar-encoder: a
-    # lone prompt's; the DiT's execution flags are `denoiser`).
+    # lone prompt's; vae-decode: a vocoder window's; the DiT's execution flags are `denoiser`).
     cuda_graphs: bool = False
     # (width, height) sizes the stage compiles ahead (--capture-sizes).
     capture_sizes: tuple[tuple[int, int], ...] = ()

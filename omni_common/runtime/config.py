@@ -186,8 +186,8 @@ class StageConfig(ServiceConfig):
     # dit-denoise execution (DenoiserOptions); auto = on for a CUDA device.
     cuda_graphs: str = setting(
         "auto",
-        "dit-denoise: replay each forward as a CUDA graph; ar-encoder: each lone prompt's "
-        "(auto: on a CUDA device without layerwise offload)",
+        "dit-denoise: replay each forward as a CUDA graph; ar-encoder: each lone prompt's; "
+        "vae-decode: each vocoder window's (auto: on a CUDA device without layerwise offload)",
         choices=SWITCHES,
     )
     capture_sizes: tuple[tuple[int, int], ...] = setting(

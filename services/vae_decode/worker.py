@@ -27,8 +27,12 @@ DEFAULT_IMAGE_OUTPUTS = frozenset({"png"})
 
 class DecodeWorker(Worker):
     def stage_context(self) -> StageContext:
+        config = self.config
         return replace(
-            super().stage_context(), compile=self.compile_flag(), capture_sizes=self.config.capture_sizes
+            super().stage_context(),
+            compile=self.compile_flag(),
+            cuda_graphs=self.execution_flag("--cuda-graphs", config.cuda_graphs),
+            capture_sizes=config.capture_sizes,
         )
 
     def role_limits(self) -> RoleLimits:

@@ -15,6 +15,7 @@ from omni_common.models.base import StageState
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.models.qwen_omni.token2wav import Token2Wav
+from omni_common.models.qwen_omni.vocoder import Vocoder
 from tests.unit.models.qwen_omni.test_resume import _every, assert_same_chunks, resumed, run_until_checkpoint
 from tests.unit.models.qwen_omni.test_runners import CPU, request, run_role
 
@@ -90,3 +91,27 @@ def test_token2wav_replayed_as_cuda_graphs_makes_the_eager_mel(
                     worst = max(worst, float((a.tensors[name] - b.tensors[name]).abs().max()))
                 torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=tolerance)
     print(f"token2wav graphed (compile={compile}) vs eager: max difference {worst:.3g}")
+
+
+def test_the_vocoder_replayed_as_cuda_graphs_makes_the_eager_samples(
+    thinker: Thinker, omni_model: Path
+) -> None:
+    """Each BigVGAN window replayed as a CUDA graph (the common windows captured while idle, the
+    rest at first use), two streamed requests batched: the eager samples within float rounding."""
+    talker, token2wav = Talker.load(omni_model, CPU, torch.float32), Token2Wav.load(omni_model, CPU)
+    gens = [request(seed=seed, stream_audio=1) for seed in (6, 7)]
+    mels = []
+    for gen in gens:
+        (rows,) = run_role(thinker, [gen], [[]])
+        (codes,) = run_role(talker, [gen], [rows])
+        mels.append(run_role(token2wav, [gen], [codes])[0])
+    eager = run_role(Vocoder.load(omni_model, CUDA), gens, mels)
+    graphed_role = Vocoder.load(omni_model, CUDA, cuda_graphs=True)
+    while graphed_role.idle_work():
+        pass
+    graphed = run_role(graphed_role, gens, mels)
+    assert graphed_role.graphs is not None and len(graphed_role.graphs) >= 2
+    for got, want in zip(graphed, eager, strict=True):
+        assert [c.meta for c in got] == [c.meta for c in want]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.tensors["audio"], b.tensors["audio"], rtol=0, atol=1e-5)

@@ -60,7 +60,7 @@ class QwenOmniStage:
         else:
             from omni_common.models.qwen_omni.vocoder import Vocoder
 
-            vocoder = Vocoder.load(model_dir, context.device)
+            vocoder = Vocoder.load(model_dir, context.device, context.cuda_graphs)
             self.bigvgan, self._runners["vocoder"] = vocoder.bigvgan, vocoder
 
     @property

@@ -19,18 +19,23 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from transformers import Qwen2_5OmniToken2WavModel
 
 from omni_common.errors import InvalidArgument, Unimplemented
+from omni_common.execution.compile_cache import decisions_for
+from omni_common.execution.cuda_graphs import CudaGraphCache
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
 from omni_common.models.qwen_omni.options import SAMPLE_RATE
 
 CONTEXT_FRAMES = 24  # each side: within ~1 ulp of the whole mel's samples (docs/families.md)
+# (batch, frames) of the windows a streamed reply makes: its first chunk with the lookahead's
+# context, every later chunk with context on both sides; a pair batched.
+WARM_WINDOWS = ((1, 48), (1, 120), (2, 120))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -44,21 +49,32 @@ class VocoderState(StepState):
 
 
 class Vocoder:
-    """The "vocoder" role (a StreamingRunner). Runs in float32, as transformers runs it."""
+    """The "vocoder" role (a StreamingRunner). Runs in float32, as transformers runs it.
 
-    def __init__(self, bigvgan: Any, device: torch.device) -> None:
+    With `cuda_graphs` (the vae-decode stage's --cuda-graphs) each BigVGAN call is replayed as a
+    CUDA graph, one per batch and window length, captured at its first use (a window of 48-120
+    frames is a stack of small convolutions and activations: launch-bound); the windows every
+    reply makes (WARM_WINDOWS) are captured while idle. A replay runs the captured kernels, so
+    its samples are the eager ones' within float rounding."""
+
+    def __init__(self, bigvgan: Any, device: torch.device, cuda_graphs: bool = False) -> None:
         self.bigvgan = bigvgan
         self.device = device
         self.mel_dim: int = bigvgan.config.mel_dim
         self.hop = math.prod(bigvgan.config.upsample_rates)  # samples per mel frame
+        self.graphs: CudaGraphCache | None = None
+        if cuda_graphs and device.type == "cuda":
+            decisions = decisions_for("vocoder-graphs", device, bigvgan.config.to_dict())
+            self.graphs = CudaGraphCache(device, decisions=decisions)
+        self._unwarmed = list(WARM_WINDOWS) if self.graphs is not None else []
 
     @classmethod
-    def load(cls, model_dir: Path, device: torch.device) -> Vocoder:
+    def load(cls, model_dir: Path, device: torch.device, cuda_graphs: bool = False) -> Vocoder:
         config = load_config(model_dir).token2wav_config
         token2wav = load_part(
             Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
         )
-        return cls(token2wav.code2wav_bigvgan_model, device)
+        return cls(token2wav.code2wav_bigvgan_model, device, cuda_graphs)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> VocoderState:
         state = VocoderState(
@@ -114,12 +130,37 @@ class Vocoder:
         ]
         if not live:
             return
-        mel = torch.stack([self._window(state, span) for state, span in live])
-        audio = self.bigvgan(mel).view(len(live), -1)  # BigVGAN squeezes a batch of one
+        audio = self._vocode(torch.stack([self._window(state, span) for state, span in live]))
         for row, (state, (start, first, upto)) in enumerate(live):
             state.pending.append(audio[row, (first - start) * self.hop : (upto - start) * self.hop].clone())
             state.frames_done = upto
             state.lookahead = None
+
+    def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
+        """[batch, samples] of a batch of mel windows [batch, mel_dim, frames]: replayed as a
+        CUDA graph where one is kept, else eager."""
+
+        def vocode(given: dict[str, torch.Tensor]) -> torch.Tensor:
+            return cast(torch.Tensor, self.bigvgan(given["mel"])).view(given["mel"].shape[0], -1)
+
+        if self.graphs is not None:
+            audio = self.graphs.run(tuple(mel.shape), {"mel": mel}, vocode, decision_key="vocode")
+            if audio is not None:
+                return audio
+        return vocode({"mel": mel})  # BigVGAN squeezes a batch of one: the view puts it back
+
+    @torch.no_grad()
+    def idle_work(self) -> bool:
+        """HasIdleWork: one common window's graph captured on a silent mel, so that a first
+        request does not wait for it."""
+        if not self._unwarmed:
+            return False
+        batch, frames = self._unwarmed.pop(0)
+        self._vocode(torch.zeros(batch, self.mel_dim, frames, device=self.device))
+        return True
+
+    def idle_work_left(self) -> int:
+        return len(self._unwarmed)
 
     def take_partial(self, state: StepState) -> StageState | None:
         assert isinstance(state, VocoderState)
@@ -157,4 +198,6 @@ class Vocoder:
         pass
 
     def forget_cuda_graphs(self) -> None:
-        pass
+        if self.graphs is not None:
+            self.graphs.clear()
+            self._unwarmed = list(WARM_WINDOWS)

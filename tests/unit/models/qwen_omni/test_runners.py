@@ -21,7 +21,7 @@ from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.models.qwen_omni.token2wav import WARM_SHAPES, Token2Wav
-from omni_common.models.qwen_omni.vocoder import Vocoder
+from omni_common.models.qwen_omni.vocoder import WARM_WINDOWS, Vocoder
 
 CPU = torch.device("cpu")
 PROMPT = "Tell me a short story."
@@ -181,6 +181,26 @@ def test_token2wav_idle_work_runs_each_common_window_once_and_leaves_requests_al
     assert [c.meta for c in got] == [c.meta for c in want]
     for a, b in zip(got, want, strict=True):
         assert all(torch.equal(a.tensors[name], b.tensors[name]) for name in b.tensors)
+
+
+def test_vocoder_idle_work_runs_each_common_window_once_and_leaves_requests_alone(roles: Roles) -> None:
+    """The vocoder's idle work (its CUDA graphs' captures on a GPU; here eager) vocodes each of
+    WARM_WINDOWS on a silent mel; a request's samples are unchanged by it."""
+    gen = request(seed=4, stream_audio=1)
+    (rows,) = run_role(roles.thinker, [gen], [[]])
+    (codes,) = run_role(roles.talker, [gen], [rows])
+    (mels,) = run_role(roles.token2wav, [gen], [codes])
+    (want,) = run_role(roles.vocoder, [gen], [mels])
+    role = Vocoder(roles.vocoder.bigvgan, CPU)
+    assert role.idle_work_left() == 0 and not role.idle_work()  # no graphs off CUDA
+    role._unwarmed = list(WARM_WINDOWS)
+    done = 0
+    while role.idle_work():
+        done += 1
+    assert done == len(WARM_WINDOWS) and role.idle_work_left() == 0
+    (got,) = run_role(role, [gen], [mels])
+    assert [c.meta for c in got] == [c.meta for c in want]
+    assert all(torch.equal(a.tensors["audio"], b.tensors["audio"]) for a, b in zip(got, want, strict=True))
 
 
 def test_an_unknown_speaker_is_invalid(roles: Roles) -> None:
