@@ -68,9 +68,10 @@ def test_the_qwen_omni_roles_stream_and_the_thinker_keeps_a_prefix_cache(omni_mo
     assert {"SupportsPrefixCache", "CachesFromWeights"} <= capabilities_of(runners["thinker"])
     assert "ExportsPrefixes" in capabilities_of(runners["thinker"])
     assert not any(isinstance(runner, capabilities.TakesLoras) for runner in runners.values())
-    # The generators record their graphed decode steps ahead while idle (nothing off CUDA).
+    # Ahead while idle, the generators record their graphed decode steps, token2wav and the
+    # vocoder their common windows' graphs and compile (nothing off CUDA).
     idle = {role for role, runner in runners.items() if isinstance(runner, capabilities.HasIdleWork)}
-    assert idle == {"thinker", "talker"}
+    assert idle == {"thinker", "talker", "token2wav", "vocoder"}
     assert all(runners[role].idle_work_left() == 0 for role in idle)  # type: ignore[attr-defined]
 
 
