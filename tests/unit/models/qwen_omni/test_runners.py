@@ -163,44 +163,40 @@ def test_requests_batched_in_one_step_get_their_lone_results(roles: Roles) -> No
         torch.testing.assert_close(batched.waveform, alone.waveform, rtol=0, atol=1e-5)
 
 
-def test_token2wav_idle_work_runs_each_common_window_once_and_leaves_requests_alone(roles: Roles) -> None:
-    """Idle work (what a compiled or graphed role does before its first request, here eager on
-    the CPU) runs WARM_SHAPES' intervals on placeholders; a request's mel is unchanged by it."""
-    gen = request(seed=4, stream_audio=1)
-    (rows,) = run_role(roles.thinker, [gen], [[]])
-    (codes,) = run_role(roles.talker, [gen], [rows])
-    (want,) = run_role(roles.token2wav, [gen], [codes])
-    role = Token2Wav(roles.token2wav.dit, roles.token2wav.speakers, CPU)
-    assert role.idle_work_left() == 0 and not role.idle_work()  # eager: nothing to prepare
-    role._unwarmed = list(WARM_SHAPES)
+def _runs_its_idle_work_once(role: Any, shapes: Sequence[tuple[int, int]]) -> None:
+    """`role` (eager on the CPU: nothing of its own to prepare) given `shapes` to warm runs each
+    once as idle work, then has none left."""
+    assert role.idle_work_left() == 0 and not role.idle_work()
+    role._unwarmed = list(shapes)
     done = 0
     while role.idle_work():
         done += 1
-    assert done == len(WARM_SHAPES) and role.idle_work_left() == 0
-    (got,) = run_role(role, [gen], [codes])
+    assert done == len(shapes) and role.idle_work_left() == 0
+
+
+def _same_chunks(got: list[StageState], want: list[StageState]) -> None:
     assert [c.meta for c in got] == [c.meta for c in want]
     for a, b in zip(got, want, strict=True):
         assert all(torch.equal(a.tensors[name], b.tensors[name]) for name in b.tensors)
 
 
-def test_vocoder_idle_work_runs_each_common_window_once_and_leaves_requests_alone(roles: Roles) -> None:
-    """The vocoder's idle work (its CUDA graphs' captures on a GPU; here eager) vocodes each of
-    WARM_WINDOWS on a silent mel; a request's samples are unchanged by it."""
+def test_token2wav_and_vocoder_idle_work_runs_each_common_window_once_and_leaves_requests_alone(
+    roles: Roles,
+) -> None:
+    """Idle work (what a compiled or graphed role does before its first request, here eager on
+    the CPU): token2wav solves WARM_SHAPES' intervals on placeholders, the vocoder vocodes
+    WARM_WINDOWS' silent mels; a request's mel and samples are unchanged by it."""
     gen = request(seed=4, stream_audio=1)
     (rows,) = run_role(roles.thinker, [gen], [[]])
     (codes,) = run_role(roles.talker, [gen], [rows])
     (mels,) = run_role(roles.token2wav, [gen], [codes])
-    (want,) = run_role(roles.vocoder, [gen], [mels])
-    role = Vocoder(roles.vocoder.bigvgan, CPU)
-    assert role.idle_work_left() == 0 and not role.idle_work()  # no graphs off CUDA
-    role._unwarmed = list(WARM_WINDOWS)
-    done = 0
-    while role.idle_work():
-        done += 1
-    assert done == len(WARM_WINDOWS) and role.idle_work_left() == 0
-    (got,) = run_role(role, [gen], [mels])
-    assert [c.meta for c in got] == [c.meta for c in want]
-    assert all(torch.equal(a.tensors["audio"], b.tensors["audio"]) for a, b in zip(got, want, strict=True))
+    (samples,) = run_role(roles.vocoder, [gen], [mels])
+    token2wav = Token2Wav(roles.token2wav.dit, roles.token2wav.speakers, CPU)
+    vocoder = Vocoder(roles.vocoder.bigvgan, CPU)
+    _runs_its_idle_work_once(token2wav, WARM_SHAPES)
+    _runs_its_idle_work_once(vocoder, WARM_WINDOWS)
+    _same_chunks(run_role(token2wav, [gen], [codes])[0], mels)
+    _same_chunks(run_role(vocoder, [gen], [mels])[0], samples)
 
 
 def test_an_unknown_speaker_is_invalid(roles: Roles) -> None:
