@@ -233,6 +233,12 @@ def main() -> None:
     )
     parser.add_argument("--dtype", help="default: float32 (cpu), bfloat16 (cuda)")
     parser.add_argument(
+        "--float32-matmul-precision",
+        default="highest",
+        choices=("highest", "high"),
+        help="the stages' --float32-matmul-precision (high: token2wav's products in TF32)",
+    )
+    parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (chat template included)"
     )
     parser.add_argument(
@@ -256,7 +262,12 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         prompt = prompt_of(tokenizer, args.prompt_tokens)
         ids = chat_input_ids(tokenizer, prompt)
-        emit(device=device_name(args.device), dtype=args.dtype, prompt_tokens=ids.shape[1])
+        emit(
+            device=device_name(args.device),
+            dtype=args.dtype,
+            float32_matmul_precision=args.float32_matmul_precision,
+            prompt_tokens=ids.shape[1],
+        )
         found: dict[tuple[str, int], dict[str, float]] = {}
         if not args.no_reference:
             found.update(reference_rows(args, model, ids))
@@ -321,6 +332,7 @@ def cluster_rows(
             "OMNISTAGE_MAX_BATCH": str(max(args.concurrency)),
             "OMNISTAGE_MAX_QUEUE": str(2 * max(args.concurrency)),
             "OMNISTAGE_AR_DECODE": args.ar_decode,
+            "OMNISTAGE_FLOAT32_MATMUL_PRECISION": args.float32_matmul_precision,
         }
         plan, timeout_s = loopback_plan(model, args.dtype, env), 1200.0
     plan, metrics = bursts.with_metrics(plan, "ar-encoder")

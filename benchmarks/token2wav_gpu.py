@@ -1,16 +1,21 @@
 """Qwen2.5-Omni's token2wav role alone (no cluster): how long one RK4 interval takes, eager and
-replayed as a CUDA graph, for one utterance and for several stepped together.
+replayed as a CUDA graph, in float32 and with TF32 products, for one utterance and for several
+stepped together, and how far each setting's mel is from eager float32's.
 
     omnistage fixture --family qwen2.5-omni /tmp/qwen-omni-full --random-weights full
-    python benchmarks/token2wav_gpu.py --model /tmp/qwen-omni-full [--codes 240] [--batch 1 8]
+    python benchmarks/token2wav_gpu.py --model /tmp/qwen-omni-full [--codes 240] [--batch 1 8] \
+        [--modes eager graphs compiled graphs:tf32 compiled:tf32]
 
 Each utterance is `--codes` random codec tokens (240 = 4.8 s of audio), streamed: the windows
-the stage solves as the codes arrive, all codes here at once. Per setting (eager; each interval
-a CUDA graph; the same with the DiT's forward compiled, as the stage's defaults on a GPU) and
+the stage solves as the codes arrive, all codes here at once. A mode is eager, graphs (each
+interval a CUDA graph) or compiled (the same with the DiT's forward compiled: the stage's
+defaults on a GPU), with `:tf32` for the stage's --float32-matmul-precision high. Per mode and
 batch size: the median device time of a step (CUDA events around `Token2Wav.step`, as the step
-scheduler logs it), the median host time inside `step` (launching it), and the wall time of
-the batch over the seconds of audio its utterances make (the real-time factor of token2wav alone;
-the first pass, which captures the graphs, is a warm-up and not timed). One JSON line each.
+scheduler logs it), the median host time inside `step` (launching it), the wall time of the
+batch over the seconds of audio its utterances make (the real-time factor of token2wav alone;
+the first pass, which captures the graphs, is a warm-up and not timed), and the first
+utterance's mel against the first mode's (relative L2 error and the largest difference). One
+JSON line each.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.qwen_omni.token2wav import Token2Wav, Token2WavState
 
 SAMPLE_RATE, HOP = 24000, 240  # the vocoder's output rate and mel frames' hop
+MODES = ("eager", "graphs", "compiled", "graphs:tf32", "compiled:tf32")
 
 
 def emit(row: dict[str, object]) -> None:
@@ -46,9 +52,11 @@ def utterances(role: Token2Wav, batch: int, codes: int) -> list[Token2WavState]:
     return states
 
 
-def solve(role: Token2Wav, batch: int, codes: int) -> dict[str, float]:
-    """Every window of `batch` utterances, stepped together as the scheduler batches them."""
+def solve(role: Token2Wav, batch: int, codes: int) -> tuple[dict[str, float], torch.Tensor]:
+    """Every window of `batch` utterances, stepped together as the scheduler batches them; the
+    timings and the first utterance's mel [mel_dim, frames]."""
     states = utterances(role, batch, codes)
+    mels: list[torch.Tensor] = []
     cuda = role.device.type == "cuda"
     device_ms, host_ms = [], []
     sync(role.device)
@@ -65,7 +73,9 @@ def solve(role: Token2Wav, batch: int, codes: int) -> dict[str, float]:
         if events:
             events[1].record()
         for state in states:
-            role.take_partial(state)
+            chunk = role.take_partial(state)
+            if chunk is not None and state is states[0]:
+                mels.append(chunk.tensors["mel"].float().cpu())
         if events:
             events[1].synchronize()
         device_ms.append(events[0].elapsed_time(events[1]) if events else host_ms[-1])
@@ -78,7 +88,13 @@ def solve(role: Token2Wav, batch: int, codes: int) -> dict[str, float]:
         "step_host_ms_p50": round(statistics.median(host_ms), 2),
         "wall_ms": round(wall_s * 1e3, 1),
         "rtf": round(wall_s / audio_s, 4),
-    }
+    }, torch.cat(mels, dim=1)
+
+
+def difference(mel: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    """How far `mel` is from `reference`: relative L2 error, largest absolute difference."""
+    error = (mel - reference).norm() / reference.norm()
+    return {"mel_rel_l2": float(f"{error:.3g}"), "mel_max_abs": float(f"{(mel - reference).abs().max():.3g}")}
 
 
 def sync(device: torch.device) -> None:
@@ -92,21 +108,29 @@ def main() -> None:
     parser.add_argument("--codes", type=int, default=240)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--device", default="cuda", help="cpu: to try the script on the tiny fixture")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=MODES, help="the first is the mels' reference"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     emit({"bench": "token2wav_gpu", "device": name, "codes": args.codes})
-    modes = [(False, False), (True, False), (True, True)] if device.type == "cuda" else [(False, False)]
-    for graphs, compiled in modes:
+    modes = args.modes if device.type == "cuda" else ["eager"]
+    references: dict[int, torch.Tensor] = {}  # batch -> the first mode's mel of utterance 0
+    for mode in modes:
+        execution, _, matmul = mode.partition(":")
+        torch.set_float32_matmul_precision("high" if matmul == "tf32" else "highest")
+        graphs, compiled = execution != "eager", execution == "compiled"
         role = Token2Wav.load(args.model, device, cuda_graphs=graphs, compile=compiled)
         started = time.perf_counter()
         while role.idle_work():  # what the stage does while idle: the compile, common graphs
             pass
-        setting = {"cuda_graphs": graphs, "compile": compiled}
-        emit({**setting, "idle_work_s": round(time.perf_counter() - started, 1)})
+        emit({"mode": mode, "idle_work_s": round(time.perf_counter() - started, 1)})
         for batch in args.batch:
             solve(role, batch, args.codes)  # warm-up: kernels chosen, graphs captured
-            emit({**setting, "batch": batch, **solve(role, batch, args.codes)})
+            timings, mel = solve(role, batch, args.codes)
+            reference = references.setdefault(batch, mel)
+            emit({"mode": mode, "batch": batch, **timings, **difference(mel, reference)})
         del role
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -123,6 +123,14 @@ class StageConfig(ServiceConfig):
         "a negative prompt. Empty: one device (--device)",
     )
     dtype: str = setting("float32", "the weights' dtype", choices=("float32", "bfloat16", "float16"))
+    float32_matmul_precision: str = setting(
+        "highest",
+        "float32 matrix products on a GPU (torch.set_float32_matmul_precision): highest (IEEE "
+        "float32) or high (TensorFloat-32: the factors rounded to a 10-bit mantissa, float32 sums; "
+        "faster). Reaches the models that run in float32 whatever --dtype says: "
+        "Qwen2.5-Omni's token2wav",
+        choices=("highest", "high"),
+    )
     threads: int = setting(0, "torch threads (0 = all)")
     lease_ttl_s: float = setting(600.0, "seconds an output lease lives unless released", flag="--lease-ttl")
     inline_bytes: int = setting(

@@ -165,6 +165,7 @@ def rank_main(
     device = torch.device(devices[rank])
     threads = config.threads or max(1, (os.cpu_count() or 1) // len(devices))
     torch.set_num_threads(threads)
+    torch.set_float32_matmul_precision(config.float32_matmul_precision)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

@@ -78,6 +78,7 @@ class Worker(LoraControl):
         self.dtype = DTYPES[config.dtype]
         if config.threads > 0:
             torch.set_num_threads(config.threads)
+        torch.set_float32_matmul_precision(config.float32_matmul_precision)
         self.family: ModelFamily = family_for_model_dir(config.model_dir)
         self.model_name = config.model_name or model_name_for_dir(config.model_dir)
         # Read before the weights load, so a bad omnistage.json stops the stage at once.

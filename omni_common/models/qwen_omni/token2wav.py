@@ -122,7 +122,12 @@ class Token2Wav:
         self._forward = torch.compile(dit.forward, dynamic=True) if compile else dit.forward
         self.graphs: CudaGraphCache | None = None
         if cuda_graphs and device.type == "cuda":
-            model = {**dit.config.to_dict(), "compiled": compile}  # a compiled forward's gain differs
+            # A compiled forward's gain differs, and a TF32 one's (the stage's precision).
+            model = {
+                **dit.config.to_dict(),
+                "compiled": compile,
+                "matmul": torch.get_float32_matmul_precision(),
+            }
             decisions = decisions_for("token2wav-graphs", device, model)
             self.graphs = CudaGraphCache(device, decisions=decisions)
         self.repeats: int = dit.repeats
