@@ -13,12 +13,13 @@ side alone, the sides alternating for `--rounds` rounds (median). Prints one JSO
 side and test, then one with the ratios.
 
 Speech (`--speech`): a model that speaks (a Qwen2.5-Omni directory, or a running coordinator
-that serves one), one reply at a time, the sides alternating, and which goes first too: the
-SDK's Generate stream against POST /v1/audio/speech (`response_format` pcm, streamed), each
-timed to its first audio bytes and to its end. Prints each side's percentiles, then the
-gateway's added first audio (p50, paired by request), the part of the gateway's first audio
-outside its own clock (HTTP and the gateway's work, free of the replies' spread) and the
-whole-reply ratio.
+that serves one), one reply at a time, the sides taking turns, and which goes first rotating:
+the SDK's Generate stream against POST /v1/audio/speech (`response_format` pcm, streamed) read
+by two HTTP clients (httpx, the openai client's library, and the standard library's
+http.client), each timed to its first audio bytes and to its end. Prints each side's
+percentiles, then per HTTP client the gateway's added first audio (p50, paired by request),
+the part of the gateway's first audio outside its own clock (HTTP and the gateway's work, free
+of the replies' spread) and the whole-reply ratio (paired by request, and of the p50s).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import http.client
 import json
 import os
 import statistics
@@ -151,14 +153,22 @@ async def throughput_gateway(url: str, steps: int, concurrency: int, total: int)
         return total / (time.perf_counter() - started)
 
 
+HTTP_CLIENTS = ("httpx", "http.client")  # the openai client's HTTP library; the standard library's
+
+
 def speech_times(url: str, coordinator: str, runs: int, warmup: int, options: dict[str, int]):  # type: ignore[no-untyped-def]
-    """Per side, each reply's (ms to its first audio, ms to its end); and per gateway reply, the
-    ms of its first audio outside the gateway's own clock (its x-first-audio-ms header: from
-    the request's arrival to the coordinator's first audio), what HTTP and the gateway add
-    whatever the reply's own spread."""
-    times: dict[str, list[tuple[float, float]]] = {"coordinator": [], "gateway": []}
-    outside: list[float] = []
-    with Client(coordinator) as client, httpx.Client(timeout=300) as http:
+    """Per side, each reply's (ms to its first audio, ms to its end); and per HTTP client, the
+    ms of each gateway reply's first audio outside the gateway's own clock (its
+    x-first-audio-ms header: from the request's arrival to the coordinator's first audio),
+    what HTTP and the gateway add whatever the reply's own spread. The gateway is read by two
+    HTTP clients: httpx (what the openai client uses, ~1 ms of its own a request) and the
+    standard library's http.client (little beyond the socket), so the gateway's own cost shows
+    apart from the client's."""
+    times: dict[str, list[tuple[float, float]]] = {"coordinator": [], **{name: [] for name in HTTP_CLIENTS}}
+    outside: dict[str, list[float]] = {name: [] for name in HTTP_CLIENTS}
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    lean = http.client.HTTPConnection(host, int(port), timeout=300)
+    with Client(coordinator) as client, httpx.Client(timeout=300) as http_client:
 
         def direct(seed: int) -> tuple[float, float]:
             started, first = time.perf_counter(), 0.0
@@ -168,27 +178,49 @@ def speech_times(url: str, coordinator: str, runs: int, warmup: int, options: di
                     first = time.perf_counter()
             return (first - started) * 1e3, (time.perf_counter() - started) * 1e3
 
-        def through_gateway(seed: int) -> tuple[float, float]:
-            started, first = time.perf_counter(), 0.0
-            body = {"input": SPEECH_PROMPT, "response_format": "pcm", "seed": seed, "options": options}
-            with http.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
-                response.raise_for_status()
-                for chunk in response.iter_raw():
-                    if chunk and not first:
-                        first = time.perf_counter()
-            inside = response.headers.get("x-first-audio-ms")  # absent: no audio before the result
-            if seed >= warmup and inside is not None:
-                outside.append((first - started) * 1e3 - float(inside))
+        def body(seed: int) -> bytes:
+            fields = {"input": SPEECH_PROMPT, "response_format": "pcm", "seed": seed, "options": options}
+            return json.dumps(fields).encode()
+
+        def timed(
+            name: str, seed: int, started: float, first: float, inside: str | None
+        ) -> tuple[float, float]:
+            if seed >= warmup and inside is not None:  # absent: no audio before the result
+                outside[name].append((first - started) * 1e3 - float(inside))
             return (first - started) * 1e3, (time.perf_counter() - started) * 1e3
 
-        sides = (("coordinator", direct), ("gateway", through_gateway))
+        def through_httpx(seed: int) -> tuple[float, float]:
+            started, first = time.perf_counter(), 0.0
+            headers = {"content-type": "application/json"}
+            with http_client.stream(
+                "POST", f"{url}/v1/audio/speech", content=body(seed), headers=headers
+            ) as reply:
+                reply.raise_for_status()
+                for chunk in reply.iter_raw():
+                    if chunk and not first:
+                        first = time.perf_counter()
+            return timed("httpx", seed, started, first, reply.headers.get("x-first-audio-ms"))
+
+        def through_http_client(seed: int) -> tuple[float, float]:
+            started = time.perf_counter()
+            lean.request("POST", "/v1/audio/speech", body(seed), {"content-type": "application/json"})
+            reply = lean.getresponse()
+            if reply.status != 200:
+                raise SystemExit(f"the gateway answered {reply.status}: {reply.read()[:300]!r}")
+            reply.read1(1 << 16)  # the first audio bytes (the body's first chunk)
+            first = time.perf_counter()
+            reply.read()
+            return timed("http.client", seed, started, first, reply.getheader("x-first-audio-ms"))
+
+        sides = (("coordinator", direct), ("httpx", through_httpx), ("http.client", through_http_client))
         for i in range(warmup + runs):
-            # Which side goes first alternates: a reply runs faster or slower after another
-            # (its cluster's idle work), and a fixed order would charge that to one side.
-            for side, call in sides if i % 2 else sides[::-1]:
+            # Which side goes first rotates: a reply runs faster or slower after another (its
+            # cluster's idle work), and a fixed order would charge that to one side.
+            for side, call in sides[i % 3 :] + sides[: i % 3]:
                 pair = call(i)
                 if i >= warmup:
                     times[side].append(pair)
+    lean.close()
     return times, outside
 
 
@@ -205,17 +237,24 @@ def speech_main(args: argparse.Namespace) -> None:
         first = percentiles([f for f, _ in pairs])
         whole = percentiles([t for _, t in pairs])
         print(json.dumps({**common, "side": side, "first_audio": first, "whole_reply": whole}))
-    gateway, direct = times["gateway"], times["coordinator"]
-    whole_ratio = statistics.median(g for _, g in gateway) / statistics.median(d for _, d in direct)
-    summary = {
-        **common,
-        "added_first_audio_p50_ms_paired": round(
-            statistics.median(g[0] - d[0] for g, d in zip(gateway, direct, strict=True)), 3
-        ),
-        "gateway_outside_first_audio_p50_ms": round(statistics.median(outside), 3),
-        "whole_reply_ratio_p50": round(whole_ratio, 4),
-    }
-    print(json.dumps(summary), flush=True)
+    direct = times["coordinator"]
+    for name in HTTP_CLIENTS:  # each reply against the SDK's reply to the same request (seed)
+        gateway = times[name]
+        summary = {
+            **common,
+            "http_client": name,
+            "added_first_audio_p50_ms_paired": round(
+                statistics.median(g[0] - d[0] for g, d in zip(gateway, direct, strict=True)), 3
+            ),
+            "gateway_outside_first_audio_p50_ms": round(statistics.median(outside[name]), 3),
+            "whole_reply_ratio_p50_paired": round(
+                statistics.median(g[1] / d[1] for g, d in zip(gateway, direct, strict=True)), 4
+            ),
+            "whole_reply_ratio_of_p50s": round(
+                statistics.median(g for _, g in gateway) / statistics.median(d for _, d in direct), 4
+            ),
+        }
+        print(json.dumps(summary), flush=True)
 
 
 def main() -> None:
