@@ -7,7 +7,9 @@ concurrency 1, 8 and 32, against
   compiles its own decode step), one request at a time and all prompts as one static batch;
 - the attention alone at the thinker's shapes: one SDPA call per row (the eager decode's),
   one padded SDPA with a mask, one FlexAttention call with a block mask (the graphed decode's).
-Greedy, EOS off, the same prompt ids on every side. One JSON line per result.
+Greedy, EOS off, the same prompt ids on every side. With `--parts agreement`: how often a row's
+greedy tokens inside a batch equal its lone run's (different prompts a row). One JSON line per
+result.
 
     python benchmarks/ar_generation.py --device cuda [--concurrency 1 8 32] [--new-tokens 256]
 """
@@ -124,6 +126,40 @@ def ours(
         "first_steps_s": record_s,
         "graphs_recorded": new_captures,
     }
+
+
+def greedy_tokens(thinker: Thinker, prompts: list[str], new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, the prompts stepped together as one batch."""
+    states = [thinker.prepare(varied(prompt, new_tokens), StageState({})) for prompt in prompts]
+    for _ in range(new_tokens):
+        thinker.step(states)
+        for state in states:
+            thinker.take_partial(state)
+    tokens = [state.generated.tolist() for state in states]
+    for state in states:
+        thinker.release(state)
+    thinker.pending = None
+    return tokens
+
+
+def varied(prompt: str, new_tokens: int) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, options=request(0, new_tokens).options)
+
+
+def agreement(thinker: Thinker, rows: int, new_tokens: int) -> dict[str, float]:
+    """How often a row's greedy tokens inside a batch of `rows` different prompts equal its
+    tokens alone (a batch's kernels may round differently from a lone row's): the share of rows
+    equal over every token, and the median index of a row's first different token (its length
+    when none differs)."""
+    prompts = [f"{PROMPT} ({i})" for i in range(rows)]
+    alone = [greedy_tokens(thinker, [prompt], new_tokens)[0] for prompt in prompts]
+    together = greedy_tokens(thinker, prompts, new_tokens)
+    firsts = []
+    for lone, batched in zip(alone, together, strict=True):
+        length = min(len(lone), len(batched))
+        firsts.append(next((i for i in range(length) if lone[i] != batched[i]), length))
+    equal = sum(lone == batched for lone, batched in zip(alone, together, strict=True))
+    return {"rows_equal_share": equal / rows, "first_difference_p50": statistics.median(firsts)}
 
 
 class StepClock:
@@ -280,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--skip", nargs="*", default=[], help="parts to skip: attention thinker eager generate"
     )
-    parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm")
+    parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm agreement")
     parser.add_argument(
         "--compile-mode",
         default=None,
@@ -341,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         if "profile" in args.parts:
             profile_step(thinker, args.concurrency[0])
+        for rows in (c for c in args.concurrency if "agreement" in args.parts and c > 1):
+            found = agreement(thinker, rows, args.new_tokens)
+            emit(part="greedy rows in a batch against alone", attention=attention, rows=rows, **found)
         del thinker
     if "eager" not in args.skip:
         model.set_attn_implementation("sdpa")  # the graphed runner switched it

@@ -57,3 +57,16 @@ def test_lora_flags_reach_the_denoiser(
         assert worker.lora_names() == []
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_the_process_takes_the_stages_float32_matmul_precision(tiny_model: Path, precision: str) -> None:
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # neither: the worker sets its own
+    try:
+        DenoiseWorker(config(tiny_model, float32_matmul_precision=precision)).close()
+        assert torch.get_float32_matmul_precision() == precision
+    finally:
+        torch.set_float32_matmul_precision(before)
