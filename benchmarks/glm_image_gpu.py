@@ -15,13 +15,14 @@ The cluster and diffusers never hold the GPU at once: one after the other in thi
    ar-encoder, condition KV and denoise on the DiT, VAE encode and decode); then, at each of
    `--concurrent-sizes`, `--concurrent` text-to-image requests at once: images/s.
 2. With `--split` (2 GPUs): the same with the AR on cuda:0 and the DiT and the VAE on cuda:1.
-3. diffusers, the AR's `generate` with a static cache (transformers compiles its decode step;
-   `--ar-cache dynamic` for its default cache; a static cache that fails is reported and the
-   default used), the transformer compiled each way of `--diffusers-modes` (diffusers_best.py),
-   a failing mode reported and skipped. The AR is the same in every mode, so it samples each
-   request's prior once, with the first mode loaded; each mode then runs the DiT and the VAE
-   from those priors. A request's time = its AR time + its DiT and VAE time; the fastest mode
-   per size and task is the competitor, one request at a time (images/s = 1000 / its p50).
+3. diffusers (glm_image_diffusers.py), the AR's `generate` with a static cache (transformers
+   compiles its decode step; `--ar-cache dynamic` for its default cache; a static cache that
+   fails is reported and the default used), the transformer compiled each way of
+   `--diffusers-modes` (diffusers_best.py), a failing mode reported and skipped. The AR is the
+   same in every mode, so it samples each request's prior once, with the first mode loaded;
+   each mode then runs the DiT and the VAE from those priors. A request's time = its AR time +
+   its DiT and VAE time; the fastest mode per size and task is the competitor, one request at a
+   time (images/s = 1000 / its p50).
 
 Default steps: the model directory's own (omnistage.json), else the pipeline's 50; guidance
 1.5 (GLM-Image's default: two DiT forwards a step). The AR's EOS is turned off on both sides
@@ -37,16 +38,13 @@ do not fit one call (`--only`, `--sizes`, `--tasks`, `--diffusers-modes`) print 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import operator
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +52,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import bursts
 import diffusers_best
-import numpy as np
 import torch
-from PIL import Image
+from glm_image_common import TASKS, Record, failure, p50, picture, prompt, warm_up_number
+from glm_image_diffusers import run_diffusers
 
 from omni_common.client import Client, GenerationResult
 from omni_common.cluster import LocalCluster, loopback_plan
@@ -64,9 +62,6 @@ from omni_common.models.base import GenerationRequest
 from omni_common.models.glm_image.family import DEFAULT_GUIDANCE
 from omni_common.models.model_defaults import DEFAULTS_FILE
 
-PROMPT = "a shop sign that says 'open', in watercolor"
-TASKS = ("t2i", "edit")
-MAX_SEQUENCE_LENGTH = 2048  # the family's default (family.py), which the cluster applies
 # Where each step of GLM-Image's plan (family.py) counts: the stage service that runs it.
 SHARE_OF = {
     "prior": "ar",
@@ -76,41 +71,6 @@ SHARE_OF = {
     "vae-encode": "vae",
     "decode": "vae",
 }
-
-
-def prompt(number: int) -> str:
-    """Each request's own prompt: no prompt or prefix cache answers for a timed request."""
-    return f"{PROMPT}, study {number}"
-
-
-def warm_up_number(size: int) -> int:
-    """The prompt number and seed of a size's warm-up request, never timed: its prompt is as
-    long as the timed ones' (1000 * size + run), so no timed request grows a static cache."""
-    return 1000 * size + 999
-
-
-def picture(number: int, size: int) -> bytes:
-    """Request `number`'s condition image (edit): random pixels at the target size, as PNG.
-    Each request has its own, so the cluster's condition-KV cache never answers for it."""
-    pixels = (np.random.RandomState(number).rand(size, size, 3) * 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def p50(samples: list[float]) -> float:
-    return round(statistics.median(samples), 1)
-
-
-class Record:
-    """The JSON lines of this run: printed as they come, kept for the summary."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def __call__(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
 
 
 def eos_off_copy(model: Path, into: Path) -> Path:
@@ -261,156 +221,6 @@ def time_burst(args: argparse.Namespace, coordinator: str, side: str, size: int,
                     "shares_ms": median_shares(done.results),
                 }
             )
-
-
-# ---- diffusers -----------------------------------------------------------------------------
-
-
-def synced(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_ms(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
-    synced(device)
-    t0 = time.perf_counter()
-    out = fn()
-    synced(device)
-    return out, (time.perf_counter() - t0) * 1e3
-
-
-def diffusers_request(args: argparse.Namespace, task: str, size: int, number: int) -> tuple[Any, list[Any]]:
-    """The GenerationRequest and PIL condition images of request `number`, as the cluster gets them."""
-    request = GenerationRequest(
-        prompt=prompt(number),
-        width=size,
-        height=size,
-        num_inference_steps=args.steps,
-        true_cfg_scale=args.guidance,
-        seed=number,
-        max_sequence_length=MAX_SEQUENCE_LENGTH,
-    )
-    images = [Image.open(io.BytesIO(picture(number, size))).convert("RGB")] if task == "edit" else []
-    return request, images
-
-
-def failure(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"[:600]
-
-
-def sample_prior(pipe: Any, device: torch.device, request: Any, images: list[Any], emit: Record) -> Any:
-    """(the request's prior, its ms); a static cache that fails is reported, then the default
-    cache samples it."""
-    from omni_common.models.glm_image.reference import reference_prior
-
-    try:
-        return timed_ms(device, lambda: reference_prior(pipe, request, images))
-    except Exception as err:
-        config = pipe.vision_language_encoder.generation_config
-        if config.cache_implementation != "static":
-            raise
-        emit({"side": "diffusers", "ar_cache": "static", "failed": failure(err), "then": "dynamic"})
-        config.cache_implementation = None
-        return timed_ms(device, lambda: reference_prior(pipe, request, images))
-
-
-Priors = dict[tuple[str, int], list[tuple[Any, list[Any], Any, float]]]
-
-
-def time_diffusers(
-    args: argparse.Namespace, pipe: Any, mode: str, task: str, size: int, priors: Priors, emit: Record
-) -> None:
-    """The warm-up request, then `--runs` timed ones: the AR's prior once per request (with
-    the first mode), the DiT and the VAE in every mode."""
-    from omni_common.models.glm_image.reference import reference_image
-
-    device = torch.device(args.device)
-    key = (task, size)
-    if key not in priors:
-        priors[key] = []
-        for number in [warm_up_number(size), *(1000 * size + run for run in range(args.runs))]:
-            request, images = diffusers_request(args, task, size, number)
-            prior, ms = sample_prior(pipe, device, request, images, emit)
-            priors[key].append((request, images, prior, ms))
-        emit(
-            {
-                "side": "diffusers",
-                "task": task,
-                "size": size,
-                "ar_cache": pipe.vision_language_encoder.generation_config.cache_implementation or "dynamic",
-                "ar_warm_up_ms": round(priors[key][0][3]),
-                "ar_ms": [round(entry[3], 1) for entry in priors[key][1:]],
-            }
-        )
-    totals, dits = [], []
-    for i, (request, images, prior, ar_ms) in enumerate(priors[key]):
-        _, ms = timed_ms(device, lambda: reference_image(pipe, request, images, prior))  # noqa: B023
-        if i == 0:
-            emit(
-                {
-                    "side": "diffusers",
-                    "mode": mode,
-                    "task": task,
-                    "size": size,
-                    "dit_vae_warm_up_ms": round(ms),
-                }
-            )
-            continue
-        dits.append(ms)
-        totals.append(ar_ms + ms)
-        emit(
-            {
-                "side": "diffusers",
-                "mode": mode,
-                "task": task,
-                "size": size,
-                "run": i - 1,
-                "wall_ms": round(totals[-1], 1),
-            }
-        )
-    emit(
-        {
-            "side": "diffusers",
-            "mode": mode,
-            "task": task,
-            "size": size,
-            "p50_ms": p50(totals),
-            "ar_p50_ms": p50([entry[3] for entry in priors[key][1:]]),
-            "dit_vae_p50_ms": p50(dits),
-        }
-    )
-
-
-def run_diffusers(args: argparse.Namespace, model: Path, emit: Record) -> None:
-    """Each mode of --diffusers-modes in turn, one pipeline on the device at a time (each freed
-    before the next loads)."""
-    priors: Priors = {}
-    for mode in args.diffusers_modes:
-        started = time.perf_counter()
-        time_mode(args, model, mode, priors, emit)
-        diffusers_best.release()
-        emit({"side": "diffusers", "mode": mode, "total_s": round(time.perf_counter() - started, 1)})
-
-
-def time_mode(args: argparse.Namespace, model: Path, mode: str, priors: Priors, emit: Record) -> None:
-    """One pipeline compiled `mode`'s way at every size and task; a mode that fails (to
-    compile, or at a size or task) is reported and the rest still run."""
-    from omni_common.models.glm_image.reference import monolithic_pipeline
-
-    pipe = monolithic_pipeline(model, torch.device(args.device), getattr(torch, args.dtype))
-    if args.ar_cache == "static":  # generate compiles its decode step with a static cache
-        pipe.vision_language_encoder.generation_config.cache_implementation = "static"
-    try:
-        diffusers_best.compile_transformer(pipe.transformer, mode, args.diffusers_backend)
-    except Exception as err:
-        emit({"side": "diffusers", "mode": mode, "failed": failure(err)})
-        return
-    for size in args.sizes:
-        for task in args.tasks:
-            try:
-                time_diffusers(args, pipe, mode, task, size, priors, emit)
-            except Exception as err:
-                emit({"side": "diffusers", "mode": mode, "task": task, "size": size, "failed": failure(err)})
 
 
 # ---- the summary ---------------------------------------------------------------------------

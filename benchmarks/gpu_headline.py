@@ -15,11 +15,11 @@ Both sides do not fit on one GPU at once, so they run one after the other in thi
    `--concurrency` requests at once at the last size, and step caching (the "step_cache"
    option) per threshold: speed-up and PSNR against the uncached image;
 2. the cluster again on the same compile cache: the warm start-up time;
-3. diffusers compiled each way of `--diffusers-modes` (diffusers_best.py: regional compile, and
-   the whole transformer as CUDA graphs with `mode="reduce-overhead"`; `max-autotune` on
-   request, its compile time reported as warm-up): p50 per size and one batch of
-   `--concurrency` at the last size per mode, the faster mode per size (the competitor), and
-   its VAE decode eager, channels-last and compiled.
+3. diffusers (headline_diffusers.py) compiled each way of `--diffusers-modes`
+   (diffusers_best.py: regional compile, and the whole transformer as CUDA graphs with
+   `mode="reduce-overhead"`; `max-autotune` on request, its compile time reported as warm-up):
+   p50 per size and one batch of `--concurrency` at the last size per mode, the faster mode per
+   size (the competitor), and its VAE decode eager, channels-last and compiled.
 Prints one JSON line per measurement, then the ratios against the targets (issue 14).
 `--diffusers-options cluster` compiles diffusers with the inductor options of the cluster's DiT
 (execution.compile_blocks), which its user could set as well; `--only-diffusers` times that
@@ -29,16 +29,11 @@ side alone.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import os
-import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +43,11 @@ import bursts
 import diffusers_best
 import numpy as np
 import torch
+from headline_common import NEGATIVE, Side, emit, p50, prompt
+from headline_diffusers import run_diffusers
 
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, free_port, loopback_plan
-
-PROMPT = "a watercolor lighthouse at dusk"
-
-
-def prompt(number: int) -> str:
-    """Each timed request's own prompt: the encoder's prompt cache never answers for it, so
-    both sides encode every prompt (the first one is the same on both: its images compare)."""
-    return PROMPT if number == 0 else f"{PROMPT}, study {number}"
-
 
 WARM_UP = -1  # the prompt number of warm-up requests, never timed
 # Real Qwen-Image weights are tuned at about 0.05-0.2; random weights' first-block residuals
@@ -68,29 +56,9 @@ WARM_UP = -1  # the prompt number of warm-up requests, never timed
 STEP_CACHE_THRESHOLDS = (0.1, 0.5, 1.0)
 
 
-def p50(samples: list[float]) -> float:
-    return round(statistics.median(samples), 1)
-
-
-def emit(row: dict[str, object]) -> None:
-    print(json.dumps(row), flush=True)
-
-
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
     return math.inf if mse == 0 else round(10 * math.log10(1.0 / mse), 1)
-
-
-@dataclass
-class Side:
-    """One side's measurements: p50 latency and first image per size, throughput."""
-
-    p50_ms: dict[int, float] = field(default_factory=dict)
-    images: dict[int, np.ndarray] = field(default_factory=dict)
-    img_per_s: float = 0.0
-    start_s: float = 0.0
-    warm_start_s: float = 0.0
-    step: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 class StepMeter:
@@ -146,9 +114,6 @@ def cluster_plan(args: argparse.Namespace, cache: Path) -> tuple[list[Any], int]
         if proc.name == "dit-denoise":
             proc.environment["OMNISTAGE_METRICS_PORT"] = str(metrics_port)
     return plan, metrics_port
-
-
-NEGATIVE = "blurry, low quality"  # the negative prompt of both sides with --guidance above 1
 
 
 def options_for(args: argparse.Namespace, size: int) -> dict[str, Any]:
@@ -299,141 +264,6 @@ def step_cache_rows(
                 "psnr_vs_uncached_db": psnr(image, exact),
             }
         )
-
-
-def run_diffusers(args: argparse.Namespace) -> Side:
-    """diffusers compiled each way of --diffusers-modes, one pipeline after the other: at each
-    size the faster p50 (and its image), the better batch throughput; both printed."""
-    device = torch.device(args.device)
-    out = Side()
-    by_size: dict[int, dict[str, float]] = {size: {} for size in args.sizes}
-    for mode in args.diffusers_modes:
-        started = time.perf_counter()
-        pipe = diffusers_best.load(
-            args.model,
-            device,
-            getattr(torch, args.dtype),
-            mode,
-            backend=args.diffusers_backend,
-            cluster_options=args.diffusers_options == "cluster",
-        )
-        side = time_diffusers(args, pipe, mode)
-        emit({"side": "diffusers", "mode": mode, "total_s": round(time.perf_counter() - started, 1)})
-        for size, ms in side.p50_ms.items():
-            by_size[size][mode] = ms
-            if size not in out.p50_ms or ms < out.p50_ms[size]:
-                out.p50_ms[size], out.images[size] = ms, side.images[size]
-        out.img_per_s = max(out.img_per_s, side.img_per_s)
-        if mode == args.diffusers_modes[0]:
-            vae_rows(pipe, args.sizes, device, args.diffusers_backend)  # the VAE is eager in every mode
-        diffusers_best.drop(pipe)
-    for size, rows in by_size.items():
-        mode, ms = diffusers_best.best(rows)
-        emit({"side": "diffusers", "size": size, "best_mode": mode, "p50_ms": ms, "by_mode": rows})
-    return out
-
-
-def time_diffusers(args: argparse.Namespace, pipe: Any, mode: str) -> Side:
-    """One compiled pipeline: p50 per size (after warm-up runs that compile it), and one batch
-    of --concurrency at the last size."""
-    device = torch.device(args.device)
-    out = Side()
-
-    def generate(size: int, seed: int, batch: int = 1, number: int = 0) -> torch.Tensor:
-        return pipe(
-            [prompt(number and number + i) for i in range(batch)],
-            width=size,
-            height=size,
-            num_inference_steps=args.steps,
-            negative_prompt=[NEGATIVE] * batch if args.guidance > 1 else None,
-            true_cfg_scale=args.guidance,
-            generator=[torch.Generator("cpu").manual_seed(seed + i) for i in range(batch)],
-            output_type="pt",
-        ).images
-
-    def synced() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for size in args.sizes:
-        t0 = time.perf_counter()
-        for run in range(args.runs):  # compiles this size at each timed prompt's length
-            generate(size, 99, number=run and run + 100 * size)
-        warm_s = round(time.perf_counter() - t0, 1)
-        walls = []
-        for run in range(args.runs):
-            synced()
-            t0 = time.perf_counter()
-            image = generate(size, run, number=run and run + 100 * size)[0]
-            synced()
-            walls.append((time.perf_counter() - t0) * 1e3)
-            if run == 0:
-                out.images[size] = image.float().cpu().numpy()
-        out.p50_ms[size] = p50(walls)
-        emit(
-            {"side": "diffusers", "mode": mode, "size": size, "p50_ms": out.p50_ms[size], "warm_up_s": warm_s}
-        )
-    size, batch = args.sizes[-1], args.concurrency
-    generate(size, 99, batch, number=10_000)  # compiles the batch's shapes (its prompts, its mask)
-    synced()
-    t0 = time.perf_counter()
-    generate(size, 0, batch, number=10_000)
-    synced()
-    out.img_per_s = round(batch / (time.perf_counter() - t0), 3)
-    emit({"side": "diffusers", "mode": mode, "size": size, "one_batch_of": batch, "img_per_s": out.img_per_s})
-    return out
-
-
-def vae_rows(pipe: Any, sizes: list[int], device: torch.device, backend: str = "inductor") -> None:
-    """The VAE decode of one image per size: eager, channels-last, compiled (what pays?)."""
-    vae = pipe.vae
-    latent_channels = vae.config.z_dim
-
-    def timed(fn: Any, latents: torch.Tensor) -> float:
-        for _ in range(2):
-            fn(latents)
-        walls = []
-        for _ in range(5):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn(latents)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            walls.append((time.perf_counter() - t0) * 1e3)
-        return p50(walls)
-
-    compiled = torch.compile(vae.decode, backend=backend)
-    for size in sizes:
-        shape = (1, latent_channels, 1, size // 8, size // 8)
-        latents = torch.randn(shape, device=device, dtype=vae.dtype)
-        with torch.inference_mode():
-            eager_ms = timed(vae.decode, latents)
-            compiled_ms = timed(compiled, latents)
-            with channels_last(vae):
-                channels_last_ms = timed(vae.decode, latents.contiguous(memory_format=torch.channels_last_3d))
-        emit(
-            {
-                "side": "vae",
-                "size": size,
-                "eager_ms": eager_ms,
-                "channels_last_ms": channels_last_ms,
-                "compiled_ms": compiled_ms,
-            }
-        )
-
-
-@contextlib.contextmanager
-def channels_last(module: torch.nn.Module) -> Iterator[None]:
-    """The module's 3-d convolution weights in channels-last layout, for the block's duration."""
-    convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv3d)]
-    for conv in convs:
-        conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
-    try:
-        yield
-    finally:
-        for conv in convs:
-            conv.weight.data = conv.weight.data.contiguous()
 
 
 def main() -> None:
