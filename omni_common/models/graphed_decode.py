@@ -37,7 +37,7 @@ import torch
 
 from omni_common.models.fused_projections import fuse_projections
 from omni_common.models.graphed_attention import ATTENTION, RowAttention
-from omni_common.models.kv_slots import KVSlots
+from omni_common.models.kv_slots import KVSlots, cache_keyword
 from omni_common.models.sampling import split_penalty
 
 log = logging.getLogger("omnistage.graphed_decode")
@@ -166,9 +166,7 @@ class GraphedDecode:
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 2 * len(BUCKETS)))
             self._forward_fn = torch.compile(self._forward, dynamic=False, mode=COMPILE_MODE)
-        self.cache_argument = (
-            "cache" if "cache" in inspect.signature(self.decoder.forward).parameters else "past_key_values"
-        )
+        self.cache_argument = cache_keyword(self.decoder)
         device, slot_count = slots.device, slots.max_slots
         self.device = device
         # Per slot, written by `join` and advanced by the graphs.

@@ -31,6 +31,7 @@ never during a step; a release copies nothing. At GLM-Image's size (40 layers, 2
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,19 @@ from omni_common.errors import ResourceExhausted
 
 CAPACITY_STEP = 256  # tokens; a 1024x1024 GLM-Image request holds ~1,300 + its prompt
 SLOT_ATTENTION = "omnistage_slot_rows"  # the attention implementation's registered name
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}  # per model class, read once
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The name under which `module`'s forward takes its KV cache: `cache` from transformers
+    5.24 on (where `past_key_values` is deprecated, to go in 5.40), `past_key_values` before."""
+    model_class = type(module)
+    if model_class not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(model_class.forward).parameters
+        _CACHE_KEYWORDS[model_class] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_KEYWORDS[model_class]
 
 
 @dataclass(eq=False)

@@ -43,6 +43,7 @@ from omni_common.models.glm_image.prior_inputs import (
     processor_inputs,
     rope_positions,
 )
+from omni_common.models.kv_slots import cache_keyword
 from omni_common.models.sampling import Sampling
 from omni_common.models.weights import load_component
 
@@ -166,7 +167,7 @@ class GlmImagePrior(SlotGenerator):
             input_ids=input_ids,
             position_ids=positions,
             mm_encoder_outputs={"image": features} if features is not None else None,
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -192,7 +193,7 @@ class GlmImagePrior(SlotGenerator):
         output = self.model(
             input_ids=tokens,
             position_ids=positions,
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             logits_to_keep=1,
             **cache.attention_kwargs,

@@ -36,6 +36,7 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import MAX_TOKENS, GenerationState, SlotGenerator, decode_mode
 from omni_common.models.graphed_decode import DecodeIO
+from omni_common.models.kv_slots import cache_keyword
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part
 from omni_common.models.qwen_omni.options import option_int
 from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta_int, restore_generator
@@ -169,7 +170,7 @@ class Talker(SlotGenerator):
             output = m(
                 input_ids=codec_prompt,
                 inputs_embeds=embeds,
-                past_key_values=cache,
+                **{cache_keyword(self.model): cache},
                 use_cache=True,
             )
             self.fill_slot(state, cache)
@@ -232,7 +233,7 @@ class Talker(SlotGenerator):
             input_ids=codes,
             thinker_reply_part=rows,
             position_ids=self.positions(live, rows=3),
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             **cache.attention_kwargs,
         )
@@ -292,7 +293,9 @@ class Talker(SlotGenerator):
             cache.update(k, v, layer)
         length = state.slot.length
         positions = torch.arange(length, length + count, device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        self.model(inputs_embeds=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        self.model(
+            inputs_embeds=embeds, position_ids=positions, **{cache_keyword(self.model): cache}, use_cache=True
+        )
         self.fill_slot(state, cache)
         state.replay = 0
         self.join(state, None)  # (graphed) the row goes on from the restored code and generator

@@ -34,6 +34,7 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import GenerationState, Prefill, SlotGenerator, decode_mode
 from omni_common.models.graphed_decode import Launched
+from omni_common.models.kv_slots import cache_keyword
 from omni_common.models.prefix_cache import (
     DEFAULT_MAX_BYTES,
     PrefixCache,
@@ -284,7 +285,7 @@ class Thinker(SlotGenerator):
                 input_ids=prompt.input_ids[:, start:end],
                 attention_mask=torch.ones_like(prompt.input_ids[:, :end]),
                 position_ids=prompt.positions[..., start:end],
-                past_key_values=prefill.cache,
+                **{cache_keyword(self.model): prefill.cache},
                 use_cache=True,
                 output_hidden_states=True,
                 logits_to_keep=1,
@@ -353,7 +354,7 @@ class Thinker(SlotGenerator):
         output = self.model(
             input_ids=tokens,
             position_ids=self.positions(live, rows=4),
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             use_cache=True,
             output_hidden_states=True,
             logits_to_keep=1,
