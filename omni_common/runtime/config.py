@@ -13,6 +13,11 @@ from pathlib import Path
 from omni_common.runtime.settings import ENV_PREFIX, add_flags, setting, values_from
 from omni_common.stages import DECODE_MODES, MAX_BATCH, MAX_QUEUE, STAGE_TABLE, STAGES
 
+# How long a draining service waits for its in-flight work. Deployments give a service
+# more than this before they kill it (compose's stop_grace_period, Kubernetes'
+# terminationGracePeriodSeconds; tests/unit/test_k8s_manifests.py checks both).
+DRAIN_GRACE_S = 30.0
+
 # How stages that share a device share its memory (one setting per deployment, read by the
 # coordinator and every stage): none = all resident; swap = the coordinator sleeps and wakes
 # whole stages around their calls; layerwise = the DiT streams its blocks through the device.
@@ -173,6 +178,13 @@ class StageConfig(ServiceConfig):
         "Qwen2.5-Omni's thinker's prompt-prefix KV (a conversation's earlier turns)",
     )
     cache_bypass: bool = setting(False, "ar-encoder: neither read nor fill those caches (for measurements)")
+    drain_linger_s: float = setting(
+        0.0,
+        "ar-encoder: on SIGTERM, a replica that keeps conversations' prefix KV takes no new work "
+        "but stays up this many seconds more (at most the 30 s drain), answering the coordinator's "
+        "prefix exports, so a conversation's next turn moves its KV to another replica instead of "
+        "computing it again; 0 = stop once idle",
+    )
     prefill_chunk_tokens: int = setting(
         512,
         "ar-encoder: a prompt with more tokens than this to compute is prefilled this many a step, "
@@ -312,6 +324,8 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
         raise SystemExit(f"{stage}: --devices and --gpus are for dit-denoise; {stage} runs on --device")
     if args.prefill_chunk_tokens < 0:
         raise SystemExit(f"{stage}: --prefill-chunk-tokens must be 0 (off) or more")
+    if not 0 <= args.drain_linger_s <= DRAIN_GRACE_S:
+        raise SystemExit(f"{stage}: --drain-linger-s must be 0 (off) to {DRAIN_GRACE_S:.0f} (the drain)")
     return values_from(StageConfig, args, stage=stage, model_dir=Path(args.model_dir), devices=devices)
 
 

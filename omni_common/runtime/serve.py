@@ -28,16 +28,12 @@ from prometheus_client import CollectorRegistry
 from omni_common.net.auth import AuthInterceptor, api_keys, cluster_tokens, describe
 from omni_common.net.rpc import aio_server
 from omni_common.net.tls import bind, tls_settings
+from omni_common.runtime.config import DRAIN_GRACE_S
 from omni_common.runtime.metrics import start_metrics_server
 
 log = logging.getLogger("omnistage.serve")
 
 Setup = Callable[[grpc.aio.Server, str], Awaitable[None]]
-
-# How long a draining service waits for its in-flight work. Deployments give a service
-# more than this before they kill it (compose's stop_grace_period, Kubernetes'
-# terminationGracePeriodSeconds; tests/unit/test_k8s_manifests.py checks both).
-DRAIN_GRACE_S = 30.0
 
 
 async def serve(

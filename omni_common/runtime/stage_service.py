@@ -135,6 +135,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.transport = transport
         self.max_pixels = max_pixels
         self.draining = False
+        # Draining, yet answering prefix exports for a while (StageConfig.drain_linger_s).
+        self.lingering = False
         self.down = ""  # why the replica cannot serve any more (a device worker died); "" = it can
         self.feeds = Feeds()
         self.metrics = StageMetrics(worker.stage, worker.load, lambda: worker.in_flight, worker.step_totals)
@@ -159,12 +161,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             loras=self.worker.lora_names(),
             model_defaults=self.worker.model_defaults.fields,
             option_defaults=self.worker.model_defaults.options,
+            draining=self.draining,
         )
 
     async def Info(
         self, request: stage_pb2.StageInfoRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.StageInfo:
-        if self.draining:  # routers treat the replica as gone
+        if self.draining and not self.lingering:  # routers treat the replica as gone
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker.stage} is shutting down")
         return self.info()
 
@@ -197,7 +200,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         """The request's parameters, checked (not yet its images: see _with_images)."""
         if self.down:
             raise Unavailable(f"{self.worker.stage} {self.down}; retry on another replica")
-        if self.draining:
+        if self.draining and not (self.lingering and request.export_prefix):
             raise Unavailable(f"{self.worker.stage} is shutting down; retry on another replica")
         check_request_id(request.request_id)
         if request.params.model != self.worker.model_name:
@@ -376,8 +379,26 @@ async def serve_stage(
 
     def drain() -> None:
         servicer.draining = True
+        if config.drain_linger_s > 0 and not servicer.down and keeps_prefixes(worker):
+            servicer.lingering = True
+            background.append(asyncio.create_task(linger(config.drain_linger_s)))
+        else:
+            leave()
+
+    async def linger(seconds: float) -> None:
+        """Heartbeats go on, saying the replica drains: the coordinator sends it no new work but
+        may still ask it for a conversation's prefix, until `seconds` have passed."""
+        kept = "%s drains; it answers prefix exports for %.0f s (--drain-linger-s)"
+        log.info(kept, config.stage, seconds)
+        await asyncio.sleep(seconds)
+        servicer.lingering = False
+        leave()
+
+    def leave() -> None:
+        """Stop heartbeating and deregister: the coordinator forgets this replica."""
         for task in background:
-            task.cancel()
+            if task is not asyncio.current_task():
+                task.cancel()
         if config.coordinator:
             background.append(asyncio.create_task(deregister(config.coordinator, servicer.info())))
 
@@ -396,7 +417,7 @@ async def serve_stage(
         transport.close()
 
     def idle() -> bool:
-        return worker.in_flight == 0 and transport.live_leases() == 0
+        return worker.in_flight == 0 and transport.live_leases() == 0 and not servicer.lingering
 
     await serve(
         config.stage,
@@ -413,6 +434,11 @@ async def serve_stage(
     )
     if servicer.down:
         raise SystemExit(f"{config.stage}: {servicer.down}")
+
+
+def keeps_prefixes(worker: StageWorker) -> bool:
+    """Whether a role of `worker` keeps prompt-prefix KV now (a conversation's earlier turns)."""
+    return any(totals.prefix_bytes > 0 for totals in worker.step_totals().values())
 
 
 def _stop_when_lost(

@@ -159,7 +159,7 @@ class StageInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles", "loras", "model_defaults", "option_defaults")
+    __slots__ = ("stage", "model", "family", "host_id", "device", "dtype", "address", "queue_depth", "load", "gpu_uuid", "ipc_namespace", "asleep", "weight_bytes", "device_memory_bytes", "roles", "loras", "model_defaults", "option_defaults", "draining")
     class ModelDefaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class StageInfo(_message.Message):
     LORAS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     OPTION_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     stage: str
     model: str
     family: str
@@ -210,7 +211,8 @@ class StageInfo(_message.Message):
     loras: _containers.RepeatedScalarFieldContainer[str]
     model_defaults: _containers.ScalarMap[str, float]
     option_defaults: _containers.ScalarMap[str, str]
-    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ..., model_defaults: _Optional[_Mapping[str, float]] = ..., option_defaults: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, stage: _Optional[str] = ..., model: _Optional[str] = ..., family: _Optional[str] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., address: _Optional[str] = ..., queue_depth: _Optional[int] = ..., load: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., ipc_namespace: _Optional[int] = ..., asleep: _Optional[bool] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., roles: _Optional[_Iterable[str]] = ..., loras: _Optional[_Iterable[str]] = ..., model_defaults: _Optional[_Mapping[str, float]] = ..., option_defaults: _Optional[_Mapping[str, str]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)

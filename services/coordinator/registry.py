@@ -50,7 +50,19 @@ class Replica:
 
     @property
     def healthy(self) -> bool:
+        """It answers: calls to it, and reads of its tensors, can succeed."""
         return self.info is not None and self.failures == 0
+
+    @property
+    def draining(self) -> bool:
+        """It drains but lingers (StageInfo.draining): healthy, given no new work, still asked
+        for the prefixes it keeps (prefix_move.py)."""
+        return self.info is not None and self.info.draining
+
+    @property
+    def takes_work(self) -> bool:
+        """Healthy and not draining: a call may be sent to it."""
+        return self.healthy and not self.draining
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -190,7 +202,7 @@ class ReplicaPool:
         found: dict[str, ModelView] = {}
         for stage, replicas in self.replicas.items():
             for replica in replicas:
-                if replica.healthy and replica.info is not None:
+                if replica.takes_work and replica.info is not None:
                     view = found.setdefault(replica.info.model, ModelView(replica.info.family))
                     view.stages[stage] = view.stages.get(stage, 0) + 1
                     for role in replica.roles:
@@ -232,8 +244,8 @@ class ReplicaPool:
         return replica.healthy
 
     def healthy_counts(self) -> dict[str, int]:
-        """Healthy replicas per stage, whatever model they serve."""
-        return {stage: sum(r.healthy for r in replicas) for stage, replicas in self.replicas.items()}
+        """Healthy replicas per stage that take work (not draining), whatever model they serve."""
+        return {stage: sum(r.takes_work for r in replicas) for stage, replicas in self.replicas.items()}
 
     def resolve_model(self, name: str) -> str:
         """ "" means the only model served; unknown names are NOT_FOUND."""
@@ -249,12 +261,13 @@ class ReplicaPool:
         raise NotFound(f"unknown model {name[:100]!r}; served: {', '.join(served)}")
 
     def serving(self, stage: str, model: str, role: str = "") -> list[Replica]:
-        """The healthy replicas of `stage` that serve `model` (and `role`, when given)."""
+        """The healthy replicas of `stage` that serve `model` (and `role`, when given), less
+        those that drain."""
         replicas = self.replicas.get(stage, [])
         return [
             r
             for r in replicas
-            if r.healthy and r.info is not None and r.info.model == model and r.serves(role)
+            if r.takes_work and r.info is not None and r.info.model == model and r.serves(role)
         ]
 
     def pick(

@@ -18,8 +18,8 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from omni_common.net.tls import plaintext_allowed, tls_settings
-from omni_common.runtime.config import GatewayConfig
-from omni_common.runtime.serve import DRAIN_GRACE_S, run
+from omni_common.runtime.config import DRAIN_GRACE_S, GatewayConfig
+from omni_common.runtime.serve import run
 from services.gateway.app import GatewayState, build_app
 
 log = logging.getLogger("omnistage.gateway")

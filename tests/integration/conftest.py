@@ -89,9 +89,13 @@ class InProcessCluster:
         asyncio.run_coroutine_threadsafe(follow(), self.loop)
         return stop
 
+    def drain_replica(self, name: str) -> None:
+        """Start one replica's drain, as SIGTERM does, and return (stop_replica waits for its end)."""
+        self.loop.call_soon_threadsafe(self._replica_stops[name].set)
+
     def stop_replica(self, name: str) -> None:
         """Stop one replica (its server and its shared memory) and wait until it is down."""
-        self.loop.call_soon_threadsafe(self._replica_stops[name].set)
+        self.drain_replica(name)
         self._tasks[[*WORKERS, *self.extra_replicas].index(name)].result(60)
 
     def live_leases(self) -> dict[str, int]:

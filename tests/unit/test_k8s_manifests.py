@@ -13,9 +13,8 @@ import pytest
 import yaml
 
 from omni_common.compose import interpolate
-from omni_common.runtime.config import STAGES
+from omni_common.runtime.config import DRAIN_GRACE_S, STAGES
 from omni_common.runtime.metrics import StageMetrics
-from omni_common.runtime.serve import DRAIN_GRACE_S
 from tests.unit.test_compose import COMPOSE
 from tests.unit.test_k8s_schema import K8S, MANIFESTS, Manifest
 

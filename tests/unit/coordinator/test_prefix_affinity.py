@@ -70,6 +70,25 @@ def test_the_replica_that_keeps_the_prefix_wins_unless_it_is_much_busier() -> No
     assert pool.pick("ar-encoder", "m", prefer="gone:1").address == "a:1"
 
 
+def test_a_draining_replica_gets_no_new_work_but_stays_reachable_for_its_prefixes() -> None:
+    pool = pool_of("a:1", "b:1")
+    b = pool.replicas["ar-encoder"][1]
+    assert b.info is not None
+    b.info.draining = True  # its heartbeat or Info says it drains but lingers
+    assert [r.address for r in pool.serving("ar-encoder", "m")] == ["a:1"]
+    assert pool.pick("ar-encoder", "m", prefer="b:1").address == "a:1"
+    assert pool.models()["m"].stages == {"ar-encoder": 1}
+    assert pool.healthy_counts() == {"ar-encoder": 1}
+    # ... while its prefix exports and its tensors' fetches still go to it
+    assert pool.by_address("b:1") is b and b.healthy and pool.is_alive("b:1")
+    routes = PrefixRoutes(max_entries=4)
+    routes.remember("m", PrefixKeys((), "k1"), "b:1")
+    next_turn = PrefixKeys(("k1",), "k2")
+    assert routes.holder("m", next_turn) == "b:1"  # what the flow asks before it picks
+    usable = {r.address for r in pool.serving("ar-encoder", "m")}
+    assert routes.preferred("m", next_turn, usable) == ""
+
+
 def test_routes_remember_forget_and_stay_bounded() -> None:
     routes = PrefixRoutes(max_entries=2)
     first, second, third = (PrefixKeys(reuses=(), leaves=k) for k in ("k1", "k2", "k3"))

@@ -125,3 +125,13 @@ def test_each_service_listens_on_its_own_port_by_default() -> None:
         "coordinator": 50051,
         "gateway": 8000,
     }
+
+
+@pytest.mark.parametrize("linger", ["-1", "31", "nan"])
+def test_a_drain_linger_outside_the_drain_is_refused(linger: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_stage_args(parser, "ar-encoder")
+    with pytest.raises(SystemExit, match="--drain-linger-s must be 0"):
+        stage_config("ar-encoder", parser.parse_args(["--model", "/m", "--drain-linger-s", linger]))
+    config = stage_config("ar-encoder", parser.parse_args(["--model", "/m", "--drain-linger-s", "10"]))
+    assert config.drain_linger_s == 10.0
