@@ -234,9 +234,9 @@ def main() -> None:
     parser.add_argument("--dtype", help="default: float32 (cpu), bfloat16 (cuda)")
     parser.add_argument(
         "--float32-matmul-precision",
-        default="highest",
-        choices=("highest", "high"),
-        help="the stages' --float32-matmul-precision (high: token2wav's products in TF32)",
+        default="auto",
+        choices=("auto", "highest", "high"),
+        help="the stages' --float32-matmul-precision (high: token2wav in TF32; auto: high on CUDA)",
     )
     parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (chat template included)"

@@ -67,14 +67,24 @@ def load_component(cls: Any, component_dir: Path, device: torch.device, dtype: t
     if seed is None:
         model = cls.from_pretrained(component_dir, dtype=dtype)
         module: torch.nn.Module = model  # transformers' typed `.to` confuses mypy
-        return module.to(device).eval()
+        return for_inference(module.to(device))
     with seeded_build(seed, component_dir.name, device, dtype):
         if hasattr(cls, "from_config"):  # diffusers
             model = cls.from_config(cls.load_config(component_dir))
         else:  # transformers
             config = cls.config_class.from_pretrained(component_dir)
             model = cls._from_config(config, dtype=dtype)
-    return model.eval()
+    return for_inference(model)
+
+
+def for_inference(module: Any) -> Any:
+    """`module` in eval mode with no parameter that asks for gradients. A served model never
+    trains: a forward outside `no_grad` would otherwise record its autograd graph, and whatever
+    kept an output (a KV slot written in place, a kept prefix) would keep every activation of
+    that forward alive, and through each later write, of the forwards before it."""
+    module.eval()
+    module.requires_grad_(False)
+    return module
 
 
 def local_path(text: str | Path, what: str, root: Path | None = None) -> Path:

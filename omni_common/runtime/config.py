@@ -129,12 +129,13 @@ class StageConfig(ServiceConfig):
     )
     dtype: str = setting("float32", "the weights' dtype", choices=("float32", "bfloat16", "float16"))
     float32_matmul_precision: str = setting(
-        "highest",
-        "float32 matrix products on a GPU (torch.set_float32_matmul_precision): highest (IEEE "
-        "float32) or high (TensorFloat-32: the factors rounded to a 10-bit mantissa, float32 sums; "
-        "faster). Reaches the models that run in float32 whatever --dtype says: "
-        "Qwen2.5-Omni's token2wav",
-        choices=("highest", "high"),
+        "auto",
+        "float32 matrix products (torch.set_float32_matmul_precision): highest (IEEE float32) or "
+        "high (on a GPU, TensorFloat-32: the factors rounded to a 10-bit mantissa, float32 sums); "
+        "auto: high on a CUDA device, highest elsewhere. Reaches the models that run in float32 "
+        "whatever --dtype says: Qwen2.5-Omni's token2wav (an H100: an RK4 interval 2.1x faster "
+        "alone, 2.9x for 8 utterances, the mel within 2.4e-4 relative L2)",
+        choices=("auto", "highest", "high"),
     )
     threads: int = setting(0, "torch threads (0 = all)")
     lease_ttl_s: float = setting(600.0, "seconds an output lease lives unless released", flag="--lease-ttl")

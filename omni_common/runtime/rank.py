@@ -40,7 +40,7 @@ from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.sequence_parallel import SequenceParallel
 from omni_common.runtime.shm_queue import ShmQueue
-from omni_common.runtime.worker import DTYPES
+from omni_common.runtime.worker import DTYPES, use_matmul_precision
 
 log = logging.getLogger("omnistage.rank")
 
@@ -165,7 +165,7 @@ def rank_main(
     device = torch.device(devices[rank])
     threads = config.threads or max(1, (os.cpu_count() or 1) // len(devices))
     torch.set_num_threads(threads)
-    torch.set_float32_matmul_precision(config.float32_matmul_precision)
+    use_matmul_precision(config.float32_matmul_precision, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

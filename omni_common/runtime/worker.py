@@ -68,6 +68,14 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+def use_matmul_precision(setting: str, device: torch.device) -> None:
+    """The process's float32 matrix-product precision (StageConfig.float32_matmul_precision):
+    `auto` is TensorFloat-32 ("high") on a CUDA device and IEEE float32 ("highest") elsewhere,
+    where a CPU's products must stay transformers' own (the CPU parity tests are bitwise)."""
+    precision = ("high" if device.type == "cuda" else "highest") if setting == "auto" else setting
+    torch.set_float32_matmul_precision(precision)
+
+
 class Worker(LoraControl):
     """One stage on one device: the family's stage model and a handler per role it serves."""
 
@@ -78,7 +86,7 @@ class Worker(LoraControl):
         self.dtype = DTYPES[config.dtype]
         if config.threads > 0:
             torch.set_num_threads(config.threads)
-        torch.set_float32_matmul_precision(config.float32_matmul_precision)
+        use_matmul_precision(config.float32_matmul_precision, self.device)
         self.family: ModelFamily = family_for_model_dir(config.model_dir)
         self.model_name = config.model_name or model_name_for_dir(config.model_dir)
         # Read before the weights load, so a bad omnistage.json stops the stage at once.

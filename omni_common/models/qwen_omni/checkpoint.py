@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2_5OmniConfig
 
 from omni_common.errors import InvalidArgument
-from omni_common.models.weights import random_weights_seed, seeded_build
+from omni_common.models.weights import for_inference, random_weights_seed, seeded_build
 
 SPEAKERS_FILE = "spk_dict.pt"
 
@@ -56,7 +56,7 @@ def load_part(
             f"(missing {missing[:3]}, unexpected {unexpected[:3]}, mismatched {mismatched[:3]})"
         )
     module: torch.nn.Module = model
-    return module.to(device=device, dtype=dtype).eval()
+    return for_inference(module.to(device=device, dtype=dtype))
 
 
 def build_random(
@@ -67,7 +67,7 @@ def build_random(
     assert seed is not None
     with seeded_build(seed, prefix, device, dtype):
         model = cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return for_inference(model)
 
 
 PARTS = ("thinker", "talker", "token2wav")

@@ -181,6 +181,7 @@ class Thinker(SlotGenerator):
         do_sample = bool(option_int(request, "thinker_do_sample"))
         return Sampling.build(self.model, input_ids, total, request.seed, do_sample=do_sample)
 
+    @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> ThinkerState:
         """The prompt's prefill, which picks the first token; a prefix of the prompt whose KV this
         replica kept (an earlier turn of the conversation), or that came with the inputs from

@@ -19,7 +19,7 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +36,20 @@ CONTEXT_FRAMES = 24  # each side: within ~1 ulp of the whole mel's samples (docs
 # (batch, frames) of the windows a streamed reply makes: its first chunk with the lookahead's
 # context, every later chunk with context on both sides; a pair batched.
 WARM_WINDOWS = ((1, 48), (1, 120), (2, 120))
+
+
+def bigvgan_samples(bigvgan: Any, mel: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen2_5OmniToken2WavBigVGANModel.forward, the same operations in the same
+    order, less its last step: the forward copies the samples to the host (`.cpu()`), which
+    waits for the GPU on every window and cannot be captured in a CUDA graph (seen on an
+    H100: the vocoder's graphs fell back to eager). The samples stay on the model's device."""
+    hidden = bigvgan.conv_pre(bigvgan.process_mel_spectrogram(mel))
+    blocks = bigvgan.num_residual_blocks
+    for layer in range(bigvgan.num_upsample_layers):
+        hidden = bigvgan.ups[layer][0](hidden)
+        hidden = sum(bigvgan.resblocks[layer * blocks + block](hidden) for block in range(blocks)) / blocks
+    samples = bigvgan.conv_post(bigvgan.activation_post(hidden))
+    return torch.clamp(samples, min=-1.0, max=1.0).squeeze()
 
 
 @dataclass(kw_only=True, eq=False)
@@ -141,7 +155,7 @@ class Vocoder:
         CUDA graph where one is kept, else eager."""
 
         def vocode(given: dict[str, torch.Tensor]) -> torch.Tensor:
-            return cast(torch.Tensor, self.bigvgan(given["mel"])).view(given["mel"].shape[0], -1)
+            return bigvgan_samples(self.bigvgan, given["mel"]).view(given["mel"].shape[0], -1)
 
         if self.graphs is not None:
             audio = self.graphs.run(tuple(mel.shape), {"mel": mel}, vocode, decision_key="vocode")
@@ -166,7 +180,7 @@ class Vocoder:
         assert isinstance(state, VocoderState)
         if not state.pending:
             return None
-        samples = torch.cat(state.pending)
+        samples = torch.cat(state.pending).cpu()  # the chunk's one copy to the host
         state.pending.clear()
         meta = {"chunk": str(state.chunks_sent), "sample_rate": str(SAMPLE_RATE)}
         state.chunks_sent += 1

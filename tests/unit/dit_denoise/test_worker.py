@@ -59,14 +59,19 @@ def test_lora_flags_reach_the_denoiser(
         worker.close()
 
 
-@pytest.mark.parametrize("precision", ["high", "highest"])
-def test_the_process_takes_the_stages_float32_matmul_precision(tiny_model: Path, precision: str) -> None:
+@pytest.mark.parametrize(
+    ("precision", "taken"), [("high", "high"), ("highest", "highest"), ("auto", "highest")]
+)
+def test_the_process_takes_the_stages_float32_matmul_precision(
+    tiny_model: Path, precision: str, taken: str
+) -> None:
+    """The stage's setting becomes the process's; auto is IEEE float32 on the CPU (TF32 on CUDA)."""
     import torch
 
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")  # neither: the worker sets its own
     try:
         DenoiseWorker(config(tiny_model, float32_matmul_precision=precision)).close()
-        assert torch.get_float32_matmul_precision() == precision
+        assert torch.get_float32_matmul_precision() == taken
     finally:
         torch.set_float32_matmul_precision(before)

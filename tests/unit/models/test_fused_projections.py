@@ -47,3 +47,15 @@ def test_a_projection_called_on_another_input_computes_alone() -> None:
         attention = model.model.layers[0].self_attn
         attention.q_proj(x)  # the joint product of x
         torch.testing.assert_close(attention.v_proj(other), expected)
+
+
+def test_the_groups_last_projection_lets_the_joint_product_go() -> None:
+    """What the joint keeps between its projections' calls is released by the last one: a long
+    prefill's products would otherwise stay until the next forward."""
+    model = small_model()
+    with torch.no_grad():
+        fuse_projections(model.model)
+        model(torch.arange(10).view(1, -1))
+    joints = {id(m.joint): m.joint for m in model.modules() if isinstance(m, FusedProjection)}
+    assert len(joints) == 4
+    assert all(joint.input is None and joint.parts == () for joint in joints.values())
