@@ -95,7 +95,7 @@ class Token2WavState(StepState):
 
 class Token2Wav:
     """The "token2wav" role (a StreamingRunner). Runs in float32, as transformers runs it (its
-    products in TF32 under the stage's --float32-matmul-precision high).
+    products in TF32 on a GPU under the stage's --float32-matmul-precision, auto or high).
 
     With `cuda_graphs` (the stage's --cuda-graphs) each RK4 interval (four DiT forwards and the
     solver's arithmetic) is replayed as one CUDA graph per batch and window length, captured at
