@@ -419,8 +419,9 @@ def talker_feeds(url: str) -> float:
     return bursts.metric_total(url, "omnistage_stage_feeds_total", 'role="talker"')
 
 
-def _rounded(row: dict[str, float]) -> dict[str, float]:
-    return {key: round(value, 3 if key == "rtf" else 1) for key, value in row.items()}
+def _rounded(row: dict[str, float | None]) -> dict[str, float | None]:
+    """`row` rounded for printing; a figure with no value (no text came) stays None."""
+    return {k: None if v is None else round(v, 3 if k == "rtf" else 1) for k, v in row.items()}
 
 
 if __name__ == "__main__":
