@@ -38,12 +38,26 @@ CONTEXT_FRAMES = 24  # each side: within ~1 ulp of the whole mel's samples (docs
 WARM_WINDOWS = ((1, 48), (1, 120), (2, 120))
 
 
-def bigvgan_samples(bigvgan: Any, mel: torch.Tensor) -> torch.Tensor:
+# transformers' process_mel_spectrogram: log-mel -> decibels floored at MIN_DB, less 20 dB,
+# scaled to [-1, 1].
+MIN_DB = -115
+
+
+def mel_floor(device: torch.device) -> torch.Tensor:
+    """The amplitude floor of MIN_DB, made as transformers' amplitude_to_db makes it (so the
+    samples stay bitwise), once, outside any graph capture: a capture cannot copy it from the
+    host."""
+    return torch.exp(torch.tensor(MIN_DB / 20.0 * np.log(10), device=device, dtype=torch.float32))
+
+
+def bigvgan_samples(bigvgan: Any, mel: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """transformers' Qwen2_5OmniToken2WavBigVGANModel.forward, the same operations in the same
-    order, less its last step: the forward copies the samples to the host (`.cpu()`), which
-    waits for the GPU on every window and cannot be captured in a CUDA graph (seen on an
-    H100: the vocoder's graphs fell back to eager). The samples stay on the model's device."""
-    hidden = bigvgan.conv_pre(bigvgan.process_mel_spectrogram(mel))
+    order, with two differences that let a CUDA graph capture it (seen on an H100: the
+    vocoder's graphs fell back to eager): its amplitude floor comes made (`mel_floor`), where
+    the forward copies it from the host on every call, and the samples stay on the model's
+    device, where the forward ends by copying them to the host (`.cpu()`)."""
+    decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=floor)) - 20
+    hidden = bigvgan.conv_pre(bigvgan.normalize_spectrogram(decibels, 1, MIN_DB))
     blocks = bigvgan.num_residual_blocks
     for layer in range(bigvgan.num_upsample_layers):
         hidden = bigvgan.ups[layer][0](hidden)
@@ -74,6 +88,7 @@ class Vocoder:
     def __init__(self, bigvgan: Any, device: torch.device, cuda_graphs: bool = False) -> None:
         self.bigvgan = bigvgan
         self.device = device
+        self.floor = mel_floor(device)
         self.mel_dim: int = bigvgan.config.mel_dim
         self.hop = math.prod(bigvgan.config.upsample_rates)  # samples per mel frame
         self.graphs: CudaGraphCache | None = None
@@ -155,7 +170,7 @@ class Vocoder:
         CUDA graph where one is kept, else eager."""
 
         def vocode(given: dict[str, torch.Tensor]) -> torch.Tensor:
-            return bigvgan_samples(self.bigvgan, given["mel"]).view(given["mel"].shape[0], -1)
+            return bigvgan_samples(self.bigvgan, given["mel"], self.floor).view(given["mel"].shape[0], -1)
 
         if self.graphs is not None:
             audio = self.graphs.run(tuple(mel.shape), {"mel": mel}, vocode, decision_key="vocode")
