@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--profile", action="store_true", help="then print where one reused turn's time goes (torch.profiler)"
+    )
     args = parser.parse_args()
     model_dir = args.model or build_tiny_fixture(Path(tempfile.mkdtemp()) / "qwen-omni-tiny")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -166,6 +169,28 @@ def main() -> None:
         "ratio_recomputed_over_moved": round(medians["recomputed"] / medians["moved"], 2),
     }
     print(json.dumps(ratios))
+    if args.profile:
+        profile_reused(thinker, turn1, turn2, device)
+
+
+def profile_reused(
+    thinker: Thinker, turn1: GenerationRequest, turn2: GenerationRequest, device: torch.device
+) -> None:
+    """The operations of one reused turn 2 by host time, then by device time (what a profile
+    of `Thinker.prepare` shows: processor, prefix install, extend, first pick)."""
+    first_token_ms(thinker, turn1, device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with (
+        torch.profiler.profile(activities=activities) as prof,
+        torch.profiler.record_function("turn 2, prefix reused"),
+    ):
+        first_token_ms(thinker, turn2, device)
+    table = prof.key_averages()
+    print(table.table(sort_by="cpu_time_total", row_limit=25))
+    if device.type == "cuda":
+        print(table.table(sort_by="cuda_time_total", row_limit=15))
 
 
 if __name__ == "__main__":
