@@ -29,12 +29,15 @@ either; `--parallel-mode` forces where the multi-GPU replica's requests run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ import torch
 
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan
+from omni_common.errors import OmniError
 
 PROMPT = "a watercolor lighthouse at dusk"
 NEGATIVE = "blurry, low quality"
@@ -86,6 +90,17 @@ def plan_for(args: argparse.Namespace, gpus: int, eager: bool) -> list[Any]:
     return plan
 
 
+@contextlib.contextmanager
+def logs_on_failure(cluster: LocalCluster) -> Iterator[None]:
+    """A request that fails prints its services' last log lines first: without --logs their
+    folder is gone once the run ends (a 2-GPU run's "internal error" went unexplained so)."""
+    try:
+        yield
+    except OmniError:
+        print(cluster.log_tails(80), file=sys.stderr, flush=True)
+        raise
+
+
 def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> dict[tuple[int, bool], Any]:
     """{(size, cfg): (p50 ms, first image)} of one cluster."""
     label = f"{gpus} GPU" + (" eager" if eager and gpus == 1 else "")
@@ -95,6 +110,7 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
     with (
         LocalCluster(plan, log_dir, start_timeout_s=1800) as cluster,
         Client(cluster.coordinator) as client,
+        logs_on_failure(cluster),
     ):
         emit({"dit": label, "start_s": round(time.perf_counter() - started, 1)})
         # The graphs of --sizes are recorded while idle after start: time none of that.

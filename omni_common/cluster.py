@@ -105,7 +105,7 @@ class LocalCluster:
                     routed = {m.name: dict(m.replicas) for m in models}
                     raise Unavailable(
                         f"the coordinator does not route to every replica after {timeout_s:g} s: "
-                        f"expected {expected}, routes to {routed}{self._log_tails()}"
+                        f"expected {expected}, routes to {routed}{self.log_tails()}"
                     )
                 time.sleep(0.1)
 
@@ -118,7 +118,7 @@ class LocalCluster:
         last = next((line.strip() for line in reversed(lines) if line.strip()), "")
         return f": {last[:300]} (log: {path})" if last else f" (log: {path})"
 
-    def _log_tails(self, lines: int = 15) -> str:
+    def log_tails(self, lines: int = 15) -> str:
         """The last lines of every process's log, for an error that says why a start failed."""
         if self.log_dir is None:
             return ""
@@ -215,11 +215,11 @@ class LocalCluster:
             if popen.poll() is not None:
                 raise Unavailable(
                     f"{proc.name} exited with status {popen.returncode} while starting"
-                    f"{self._cause(proc.name)}{self._log_tails()}"
+                    f"{self._cause(proc.name)}{self.log_tails()}"
                 )
             if time.monotonic() > deadline:
                 cause = self._cause(proc.name)
-                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{cause}{self._log_tails()}")
+                raise Unavailable(f"{proc.name} not healthy after {timeout_s:g} s{cause}{self.log_tails()}")
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 40.0) -> None:
