@@ -104,14 +104,11 @@ def _cloning(forward: Callable[..., Any]) -> Callable[..., Any]:
     return cloned
 
 
-def drop(pipe: Any) -> None:
-    """Free the pipeline, its compiled code and CUDA graphs before the next mode loads."""
-    del pipe
-    release()
-
-
 def release() -> None:
-    """Free compiled code, CUDA graphs and cached device memory of pipelines no longer referenced."""
+    """Free compiled code, CUDA graphs and cached device memory of pipelines no longer referenced
+    (the caller drops its own reference first: `del pipe`, then this, before the next mode loads;
+    a pipeline still named by the caller stays, as one did beside the next mode's on an H100
+    and ran it out of memory)."""
     torch._dynamo.reset()
     if torch.cuda.is_available():
         from torch._inductor import cudagraph_trees

@@ -40,7 +40,8 @@ def run_diffusers(args: argparse.Namespace) -> Side:
         out.img_per_s = max(out.img_per_s, side.img_per_s)
         if mode == args.diffusers_modes[0]:
             vae_rows(pipe, args.sizes, device, args.diffusers_backend)  # the VAE is eager in every mode
-        diffusers_best.drop(pipe)
+        del pipe  # before the next mode loads: release() frees only what nothing names
+        diffusers_best.release()
     for size, rows in by_size.items():
         mode, ms = diffusers_best.best(rows)
         emit({"side": "diffusers", "size": size, "best_mode": mode, "p50_ms": ms, "by_mode": rows})

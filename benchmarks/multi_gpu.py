@@ -183,7 +183,8 @@ def measure_diffusers(args: argparse.Namespace) -> dict[tuple[int, bool], dict[s
                     {"diffusers": mode, "size": size, "cfg": cfg, "p50_ms": ms, "warm_up_ms": round(walls[0])}
                 )
         emit({"diffusers": mode, "total_s": round(time.perf_counter() - started, 1)})
-        diffusers_best.drop(pipe)
+        del pipe  # before the next mode loads: release() frees only what nothing names
+        diffusers_best.release()
     return out
 
 

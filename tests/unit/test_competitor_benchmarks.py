@@ -52,7 +52,8 @@ def test_every_compile_mode_draws_the_eager_image(tiny_model: Path) -> None:
                 expected.setdefault(cfg, got)
                 torch.testing.assert_close(got, expected[cfg], atol=1e-5, rtol=0, msg=f"{mode}, cfg={cfg}")
         finally:
-            diffusers_best.drop(pipe)
+            del pipe
+            diffusers_best.release()
     assert diffusers_best.best({"regional": 3.0, "whole": 2.0}) == ("whole", 2.0)
     with pytest.raises(SystemExit, match="diffusers mode 'jit'"):
         diffusers_best.load(tiny_model, torch.device("cpu"), torch.float32, "jit")
