@@ -46,22 +46,19 @@ class Sampling:
     def build(cls, model: Any, input_ids: torch.Tensor, total: int, seed: int, **generation: Any) -> Sampling:
         """What `model.generate(input_ids, max_new_tokens=total, **generation)` would apply,
         with a generator seeded with `seed` on the input's device."""
-        processors = logits_processors(model, input_ids, total, **generation)
         config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
+        processors = logits_processors(model, config, input_ids, total)
         generator = torch.Generator(input_ids.device).manual_seed(seed)
         do_sample = bool(config.do_sample)
         key = row_wise_key(processors, do_sample)
         return cls(processors, do_sample, generator, key, graph_key(processors, do_sample))
 
 
-def logits_processors(
-    model: Any, input_ids: torch.Tensor, total: int, **generation: Any
-) -> LogitsProcessorList:
-    """What `generate(max_new_tokens=total, **generation)` applies to the logits, built by its
-    own (private) helpers from the model's generation config: rebuilding the temperature /
-    top-k / top-p / penalty rules here would drift from transformers' defaults. Bitwise tests
-    against `generate` pin it."""
-    config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
+def logits_processors(model: Any, config: Any, input_ids: torch.Tensor, total: int) -> LogitsProcessorList:
+    """What `generate` applies to the logits under `config` (its `_prepare_generation_config`
+    of the request's settings, which this completes for the prompt), built by its own (private)
+    helpers: rebuilding the temperature / top-k / top-p / penalty rules here would drift from
+    transformers' defaults. Bitwise tests against `generate` pin it."""
     model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=input_ids.device)
     config.max_length = input_ids.shape[1] + total
     return cast(
