@@ -270,22 +270,24 @@ class ThinkerPrompt:
     ) -> ThinkerPrompt:
         messages = conversation(request)
         batch = process(processor, request, tensors)
-        input_ids = batch["input_ids"].to(device)
-        media = {name: batch[name].to(device) for name in MEDIA_INPUTS if name in batch}
-        mask = torch.ones_like(input_ids)
-        audio_mask = media.get("feature_attention_mask")
+        # The mrope positions from the processor's host tensors: on a GPU, get_rope_index's
+        # small copies and reads each wait for the device (the bulk of a reused turn's host
+        # time on an H100); integer arithmetic, so the same positions either way.
+        audio_mask = batch.get("feature_attention_mask")
         rope, deltas = model.get_rope_index(
-            input_ids,
-            media.get("image_grid_thw"),
-            media.get("video_grid_thw"),
-            mask,
+            batch["input_ids"],
+            batch.get("image_grid_thw"),
+            batch.get("video_grid_thw"),
+            torch.ones_like(batch["input_ids"]),
             False,
             None if audio_mask is None else audio_mask.sum(-1),
             batch.get("video_second_per_grid"),
         )
+        input_ids = batch["input_ids"].to(device)
+        media = {name: batch[name].to(device) for name in MEDIA_INPUTS if name in batch}
         text = torch.arange(input_ids.shape[1], device=device).view(1, 1, -1)
         tokenizer: Any = processor.tokenizer
-        ids_on_host = input_ids[0].cpu()
+        ids_on_host = batch["input_ids"][0]  # the processor's own, on the host
         kinds = (("audio", request.audios), ("image", request.images), ("video", request.videos))
         audio, image, video = (
             tuple(inputs[i].digest for i in media_order(messages, kind)) for kind, inputs in kinds
