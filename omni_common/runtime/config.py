@@ -182,9 +182,9 @@ class StageConfig(ServiceConfig):
     drain_linger_s: float = setting(
         0.0,
         "ar-encoder: on SIGTERM, a replica that keeps conversations' prefix KV takes no new work "
-        "but stays up this many seconds more (at most the 30 s drain), answering the coordinator's "
-        "prefix exports, so a conversation's next turn moves its KV to another replica instead of "
-        "computing it again; 0 = stop once idle",
+        f"but stays up this many seconds more (at most the {DRAIN_GRACE_S:.0f} s drain), answering the "
+        "coordinator's prefix exports, so a conversation's next turn moves its KV to another replica "
+        "instead of computing it again; 0 = stop once idle",
     )
     prefill_chunk_tokens: int = setting(
         512,
