@@ -36,6 +36,7 @@ from omni_common.input_media import input_audio_name, input_image_name, input_vi
 from omni_common.models.base import GenerationRequest
 from omni_common.models.conversation_keys import turns_of
 from omni_common.models.prefix_cache import prefix_key
+from omni_common.models.qwen_omni.chat_tokens import ChatTokens
 from omni_common.models.qwen_omni.video_processor import FrameProcessor
 from omni_common.video_input import decode_video, video_bytes
 
@@ -155,13 +156,20 @@ def media_order(messages: Sequence[Mapping[str, Any]], kind: str) -> list[int]:
 
 
 def process(
-    processor: OmniProcessor, request: GenerationRequest, tensors: Mapping[str, torch.Tensor]
+    processor: OmniProcessor,
+    request: GenerationRequest,
+    tensors: Mapping[str, torch.Tensor],
+    tokens: ChatTokens | None = None,
 ) -> BatchFeature:
     """The thinker's inputs for `request` (input ids [1, L], attention mask and, with media,
     `MEDIA_INPUTS` and `video_second_per_grid`), from its media tensors (`input.audio.i`,
-    `input.image.i`, `input.video.i`)."""
+    `input.image.i`, `input.video.i`). A text-only chat's ids come from `tokens` when given (the
+    same ids, its earlier messages' kept)."""
     messages = conversation(request)
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if tokens is not None and not any(marker in text for marker in MEDIA_TOKENS.values()):
+        ids = torch.tensor([tokens.ids(text)])
+        return BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     shown = [input_audio_name(i) for i in media_order(messages, "audio")]
     shown += [input_image_name(i) for i in media_order(messages, "image")]
     shown += [input_video_name(i) for i in media_order(messages, "video")]
@@ -267,9 +275,10 @@ class ThinkerPrompt:
         request: GenerationRequest,
         tensors: Mapping[str, torch.Tensor],
         device: torch.device,
+        tokens: ChatTokens | None = None,
     ) -> ThinkerPrompt:
         messages = conversation(request)
-        batch = process(processor, request, tensors)
+        batch = process(processor, request, tensors, tokens)
         # The mrope positions from the processor's host tensors: on a GPU, get_rope_index's
         # small copies and reads each wait for the device (the bulk of a reused turn's host
         # time on an H100); integer arithmetic, so the same positions either way.

@@ -22,7 +22,7 @@ Text-only requests send text alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -43,6 +43,7 @@ from omni_common.models.prefix_cache import (
     prefix_key,
 )
 from omni_common.models.prefix_transfer import entry_of, kv_shape_of, prefix_state, split_moved
+from omni_common.models.qwen_omni.chat_tokens import ChatTokens
 from omni_common.models.qwen_omni.checkpoint import load_config, load_part, load_speakers, speaker
 from omni_common.models.qwen_omni.last_position_head import head_on_last_position
 from omni_common.models.qwen_omni.options import option_int, speaker_of
@@ -102,6 +103,7 @@ class Thinker(SlotGenerator):
         self.model = model
         self.processor = processor
         self.tokenizer: Any = processor.tokenizer
+        self.chat_tokens = ChatTokens(self.tokenizer)  # a conversation's earlier messages' ids
         self.prefixes = PrefixCache(prefix_bytes)
         config: Any = model.config
         self.kv_shape = kv_shape_of(config.get_text_config(), dtype)  # what a moved prefix must be
@@ -172,9 +174,12 @@ class Thinker(SlotGenerator):
     def export_prefix(self, request: GenerationRequest, inputs: StageState) -> StageState:
         """The KV of the longest prefix of `request`'s prompt kept here, for another replica
         (ExportsPrefixes; prefix_transfer.py); empty when none is."""
-        prompt = ThinkerPrompt.of(self.processor, self.model, request, inputs.tensors, self.device)
+        prompt = self._prompt(request, inputs.tensors)
         found = self.prefixes.peek(prompt.length, prompt.key, rows=bool(option_int(request, "audio")))
         return StageState(tensors={}, meta={}) if found is None else prefix_state(*found)
+
+    def _prompt(self, request: GenerationRequest, tensors: Mapping[str, torch.Tensor]) -> ThinkerPrompt:
+        return ThinkerPrompt.of(self.processor, self.model, request, tensors, self.device, self.chat_tokens)
 
     @torch.no_grad()
     def _sampling(self, request: GenerationRequest, input_ids: torch.Tensor, total: int) -> Sampling:
@@ -189,7 +194,7 @@ class Thinker(SlotGenerator):
         tokens left to compute is prefilled by the steps instead, a chunk each (`step`)."""
         speaker(self.speakers, speaker_of(request))  # an unknown speaker fails here, not mid-prefill
         tensors, moved = split_moved(inputs.tensors)
-        prompt = ThinkerPrompt.of(self.processor, self.model, request, tensors, self.device)
+        prompt = self._prompt(request, tensors)
         if moved:
             self._install(prompt, moved, inputs.meta)
         total = option_int(request, "max_new_tokens")
