@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing
 import os
 import statistics
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +194,38 @@ def profile_reused(
     print(table.table(sort_by="cpu_time_total", row_limit=25))
     if device.type == "cuda":
         print(table.table(sort_by="cuda_time_total", row_limit=15))
+        print_synchronizations(thinker, turn1, turn2, device)
+
+
+def print_synchronizations(
+    thinker: Thinker, turn1: GenerationRequest, turn2: GenerationRequest, device: torch.device
+) -> None:
+    """Where one reused turn 2 waits for the device (torch's sync debug mode: each copy or read
+    that synchronizes), by the project's innermost frame that called it."""
+    first_token_ms(thinker, turn1, device)
+    torch.cuda.synchronize(device)
+    where: collections.Counter[str] = collections.Counter()
+
+    def note(message: Warning | str, *_: Any, **__: Any) -> None:
+        if "synchroniz" in str(message):
+            where[_project_frame()] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            state = thinker.prepare(turn2, StageState({}, {}))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    thinker.finish(state)
+    print(json.dumps({"synchronizations": sum(where.values()), "by_frame": dict(where.most_common())}))
+
+
+def _project_frame() -> str:
+    """The innermost frame of the project (omni_common) on the stack."""
+    frames = [f for f in traceback.extract_stack() if "omni_common" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
 
 
 if __name__ == "__main__":
