@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import cProfile
 import json
 import multiprocessing
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -120,7 +122,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
-        "--profile", action="store_true", help="then print where one reused turn's time goes (torch.profiler)"
+        "--profile",
+        action="store_true",
+        help="then print where one reused turn's time goes (torch.profiler, its syncs, cProfile)",
     )
     args = parser.parse_args()
     model_dir = args.model or build_tiny_fixture(Path(tempfile.mkdtemp()) / "qwen-omni-tiny")
@@ -195,6 +199,10 @@ def profile_reused(
     if device.type == "cuda":
         print(table.table(sort_by="cuda_time_total", row_limit=15))
         print_synchronizations(thinker, turn1, turn2, device)
+    first_token_ms(thinker, turn1, device)
+    python = cProfile.Profile()
+    python.runcall(first_token_ms, thinker, turn2, device)
+    pstats.Stats(python).sort_stats("cumulative").print_stats(30)
 
 
 def print_synchronizations(

@@ -34,7 +34,7 @@ from omni_common.errors import InvalidArgument
 from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.generation import GenerationState, Prefill, SlotGenerator, decode_mode
 from omni_common.models.graphed_decode import Launched
-from omni_common.models.kv_slots import cache_keyword
+from omni_common.models.kv_slots import KVSlot, cache_keyword
 from omni_common.models.prefix_cache import (
     DEFAULT_MAX_BYTES,
     PrefixCache,
@@ -204,7 +204,7 @@ class Thinker(SlotGenerator):
         try:
             sampling = self._sampling(request, prompt.input_ids, total)
             self.check_graphable(sampling)
-            prefill = self._start_prefill(prompt, speak)
+            prefill = self._start_prefill(prompt, speak, slot)
             state = ThinkerState(
                 request=request,
                 step_index=0,
@@ -243,16 +243,26 @@ class Thinker(SlotGenerator):
         count = self.graphed.rope.shape[2]
         return torch.arange(start, start + count, device=self.device).expand(4, -1)
 
-    def _start_prefill(self, prompt: ThinkerPrompt, speak: bool) -> Prefill:
-        """The prefill of `prompt` before its first forward: the KV (and talker rows) of the
-        longest prefix this replica kept, if any, as its cache."""
+    def _start_prefill(self, prompt: ThinkerPrompt, speak: bool, slot: KVSlot) -> Prefill:
+        """The prefill of `prompt` before its first forward, with the KV (and talker rows) of
+        the longest prefix this replica kept, if any: in `slot` when the rest runs as a graphed
+        extend (which reads the slot), else as its transformers cache."""
         cache = DynamicCache(config=self.model.config.get_text_config())
         prefix = self.prefixes.lookup(prompt.length, prompt.key, rows=speak)
         if prefix is None:
             return Prefill(cache, 0)
-        for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
-            cache.update(keys.clone(), values.clone(), layer)
+        if self._extends(prompt, prefix.length, self._chunk_end(prompt, prefix.length)):
+            self.slots.fill(slot, prefix.keys, prefix.values)
+        else:
+            for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
+                cache.update(keys.clone(), values.clone(), layer)
         return Prefill(cache, prefix.length, [] if prefix.rows is None else [prefix.rows])
+
+    def _chunk_end(self, prompt: ThinkerPrompt, start: int) -> int:
+        """Where the prefill's chunk from `start` ends (the prompt's end when chunking is off)."""
+        if self.prefill_chunk_tokens:
+            return prompt.chunk_end(start, self.prefill_chunk_tokens)
+        return prompt.length
 
     def _prefill_chunk(self, state: ThinkerState) -> None:
         """The forward over the prompt's next chunk (the rest of it when chunking is off) and
@@ -261,9 +271,7 @@ class Thinker(SlotGenerator):
         prompt, prefill = state.prompt, state.prefill
         assert prefill is not None
         start = prefill.done
-        end = prompt.length
-        if self.prefill_chunk_tokens:
-            end = prompt.chunk_end(start, self.prefill_chunk_tokens)
+        end = self._chunk_end(prompt, start)
         if self._extends(prompt, start, end):
             logits = self._extend(state, prefill, start, end)
         else:
@@ -275,12 +283,12 @@ class Thinker(SlotGenerator):
         state.prefill = None
         if state.slot.length != end:  # (an extend wrote the slot itself)
             self.fill_slot(state, prefill.cache)
-        self._keep(prompt.key(end), state, rows)
         if state.speak:
             bos = int(speaker(self.speakers, speaker_of(state.request))["bos_token"])
             specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
             state.first = {"prompt": rows, "specials": self.model.get_input_embeddings()(specials)}
         self.pick([state], logits)
+        self._keep(prompt.key(end), state, rows)  # after the pick, which waits for the device
         self.join(state, self._decode_positions(state))
 
     def _eager_chunk(self, prompt: ThinkerPrompt, prefill: Prefill, start: int, end: int) -> torch.Tensor:
@@ -316,7 +324,7 @@ class Thinker(SlotGenerator):
         """Tokens [start, end) as a recorded forward into the slot, after what the prefill
         cached (a kept prefix, earlier chunks); their talker rows kept; the last token's logits."""
         assert self.extend is not None
-        if start:
+        if state.slot.length != start:  # (the cache of earlier eager chunks; a prefix is there)
             self.fill_slot(state, prefill.cache)
         prompt = state.prompt
         hidden, embeds, logits = self.extend.run(
