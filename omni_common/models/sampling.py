@@ -7,6 +7,9 @@ do not depend on its batch mates.
 
 from __future__ import annotations
 
+import copy
+import weakref
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -46,7 +49,7 @@ class Sampling:
     def build(cls, model: Any, input_ids: torch.Tensor, total: int, seed: int, **generation: Any) -> Sampling:
         """What `model.generate(input_ids, max_new_tokens=total, **generation)` would apply,
         with a generator seeded with `seed` on the input's device."""
-        config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
+        config = prepared_config(model, input_ids.device, total, generation)
         processors = logits_processors(model, config, input_ids, total)
         generator = torch.Generator(input_ids.device).manual_seed(seed)
         do_sample = bool(config.do_sample)
@@ -54,12 +57,40 @@ class Sampling:
         return cls(processors, do_sample, generator, key, graph_key(processors, do_sample))
 
 
+def prepared_config(model: Any, device: torch.device, total: int, generation: dict[str, Any]) -> Any:
+    """A copy of `model._prepare_generation_config(None, max_new_tokens=total, **generation)`'s
+    config with its special tokens prepared on `device` (`_prepare_special_tokens`), prepared
+    once per settings and model: transformers 5.17 builds and validates the model's whole
+    config to prepare one (~30 ms of a request's host time on an H100's host), and the special
+    tokens' small copies and checks each wait for the device. A shallow copy: what a request
+    sets on it (`logits_processors`) is its own."""
+    key = (str(device), total, _hashable(generation))
+    kept = _PREPARED.setdefault(model, OrderedDict())
+    config = kept.get(key)
+    if config is None:
+        config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
+        model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=device)
+        kept[key] = config
+        if len(kept) > PREPARED_PER_MODEL:
+            kept.popitem(last=False)
+    kept.move_to_end(key)
+    return copy.copy(config)
+
+
+# Prepared generation configs by model, then by settings (`prepared_config`), the most recent kept.
+_PREPARED: weakref.WeakKeyDictionary[Any, OrderedDict[Hashable, Any]] = weakref.WeakKeyDictionary()
+PREPARED_PER_MODEL = 64
+
+
+def _hashable(generation: dict[str, Any]) -> Hashable:
+    return tuple(sorted((name, tuple(v) if isinstance(v, list) else v) for name, v in generation.items()))
+
+
 def logits_processors(model: Any, config: Any, input_ids: torch.Tensor, total: int) -> LogitsProcessorList:
-    """What `generate` applies to the logits under `config` (its `_prepare_generation_config`
-    of the request's settings, which this completes for the prompt), built by its own (private)
-    helpers: rebuilding the temperature / top-k / top-p / penalty rules here would drift from
-    transformers' defaults. Bitwise tests against `generate` pin it."""
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=input_ids.device)
+    """What `generate` applies to the logits under `config` (`prepared_config`'s, which this
+    completes for the prompt), built by its own (private) helpers: rebuilding the temperature /
+    top-k / top-p / penalty rules here would drift from transformers' defaults. Bitwise tests
+    against `generate` pin it."""
     config.max_length = input_ids.shape[1] + total
     return cast(
         LogitsProcessorList,
