@@ -211,8 +211,8 @@ class GraphedDecode:
         picked tokens (None: text positions, length + i in every row), `generator` its stream,
         `seen` the ids its repetition penalty reads so far (prompt and picked), if it has one."""
         self.next_ids[slot : slot + 1].copy_(first_token.view(-1)[:1])
-        self.lengths[slot] = length
-        self.steps[slot] = 1
+        self.lengths[slot].fill_(length)  # (a kernel: assigning an int would copy it over and wait)
+        self.steps[slot].fill_(1)
         if positions is None:
             count = self.rope.shape[2]
             positions = torch.arange(length, length + count, device=self.device).expand(
