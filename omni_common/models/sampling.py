@@ -64,12 +64,14 @@ def prepared_config(model: Any, device: torch.device, total: int, generation: di
     config to prepare one (~30 ms of a request's host time on an H100's host), and the special
     tokens' small copies and checks each wait for the device. A shallow copy: what a request
     sets on it (`logits_processors`) is its own."""
-    key = (str(device), total, _hashable(generation))
+    key = _key(device, total, generation)
     kept = _PREPARED.setdefault(model, OrderedDict())
-    config = kept.get(key)
+    config = None if key is None else kept.get(key)
     if config is None:
         config, _ = model._prepare_generation_config(None, max_new_tokens=total, **generation)
         model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=device)
+        if key is None:  # settings that cannot be a key: prepared for this request alone
+            return config
         kept[key] = config
         if len(kept) > PREPARED_PER_MODEL:
             kept.popitem(last=False)
@@ -82,8 +84,14 @@ _PREPARED: weakref.WeakKeyDictionary[Any, OrderedDict[Hashable, Any]] = weakref.
 PREPARED_PER_MODEL = 64
 
 
-def _hashable(generation: dict[str, Any]) -> Hashable:
-    return tuple(sorted((name, tuple(v) if isinstance(v, list) else v) for name, v in generation.items()))
+def _key(device: torch.device, total: int, generation: dict[str, Any]) -> Hashable | None:
+    """The settings' key in `_PREPARED` (lists as tuples); None when a setting is not hashable."""
+    settings = tuple(sorted((name, tuple(v) if isinstance(v, list) else v) for name, v in generation.items()))
+    try:
+        hash(settings)
+    except TypeError:
+        return None
+    return (str(device), total, settings)
 
 
 def logits_processors(model: Any, config: Any, input_ids: torch.Tensor, total: int) -> LogitsProcessorList:

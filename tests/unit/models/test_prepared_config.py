@@ -67,3 +67,13 @@ def test_what_is_kept_is_bounded(model: LlamaForCausalLM) -> None:
     for total in range(sampling.PREPARED_PER_MODEL + 10):
         Sampling.build(model, ids, total + 1, seed=0, do_sample=False)
     assert len(sampling._PREPARED[model]) == sampling.PREPARED_PER_MODEL
+
+
+def test_settings_that_cannot_be_a_key_are_prepared_each_time(model: LlamaForCausalLM) -> None:
+    calls = counting(model)
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    unhashable = {"do_sample": False, "sequence_bias": {(5,): -1.0}}  # a dict: no key
+    for _ in range(2):
+        built = Sampling.build(model, ids, 4, seed=0, **unhashable)
+        assert any(type(p).__name__ == "SequenceBiasLogitsProcessor" for p in built.processors)
+    assert len(calls) == 2
