@@ -197,7 +197,7 @@ def profile_reused(
     table = prof.key_averages()
     print(table.table(sort_by="cpu_time_total", row_limit=25))
     if device.type == "cuda":
-        print(table.table(sort_by="cuda_time_total", row_limit=15))
+        print(table.table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=100))
         print_synchronizations(thinker, turn1, turn2, device)
     first_token_ms(thinker, turn1, device)
     python = cProfile.Profile()

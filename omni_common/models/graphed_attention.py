@@ -5,6 +5,7 @@ padded SDPA with a mask)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ log = logging.getLogger("omnistage.graphed_decode")
 
 GRAPHED_ATTENTION = "omnistage_graphed_rows"
 ATTENTION = ("flex", "padded")  # "padded": one masked SDPA over the full capacity (measurement)
+KV_BLOCK = 128  # FlexAttention's KV block: a row reads ceil(length / 128) blocks
 # flex_attention's GPU kernels take heads of at least 16 channels (torch 2.11: "NYI" below, at
 # the compile); a smaller head (the tiny test fixtures' 8) runs "padded" instead.
 FLEX_MIN_HEAD_DIM = 16
@@ -92,6 +94,26 @@ class RowAttention:
     kind: str
     block_mask: Any = None
     padded_mask: torch.Tensor | None = None
+
+
+def flex_rows(
+    blocks: torch.Tensor,
+    indices: torch.Tensor,
+    mask_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    queries: int,
+    capacity: int,
+) -> RowAttention:
+    """FlexAttention's block mask over rows of `capacity` keys, for `queries` queries a row:
+    query block q of row b reads the KV blocks `indices[b, 0, q, :blocks[b, 0, q]]` (KV_BLOCK
+    tokens each, every one partial: `mask_mod` picks the keys within them). Built on the device
+    from device tensors, so a recorded step builds it as it replays."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    options: dict[str, Any] = {"BLOCK_SIZE": KV_BLOCK, "mask_mod": mask_mod}
+    options["seq_lengths"] = (queries, capacity)
+    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+        options["compute_q_blocks"] = False  # only backward reads them
+    return RowAttention("flex", block_mask=BlockMask.from_kv_blocks(blocks, indices, **options))
 
 
 def use_graphed_attention(text_model: Any) -> None:

@@ -27,7 +27,6 @@ keeps the eager path, bitwise `generate` for a lone request (kv_slots.py).
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -36,14 +35,13 @@ from typing import Any, cast
 import torch
 
 from omni_common.models.fused_projections import fuse_projections
-from omni_common.models.graphed_attention import ATTENTION, RowAttention
+from omni_common.models.graphed_attention import ATTENTION, KV_BLOCK, RowAttention, flex_rows
 from omni_common.models.kv_slots import KVSlots, cache_keyword
 from omni_common.models.sampling import split_penalty
 
 log = logging.getLogger("omnistage.graphed_decode")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # batch sizes a graph is recorded for
-KV_BLOCK = 128  # FlexAttention's KV block: a row reads ceil(length / 128) blocks
 # torch.compile's mode for the decode step (None: its default; benchmarks/ar_decode_gpu.py
 # --compile-mode times the others, e.g. inductor's autotuned products for the skinny rows).
 COMPILE_MODE: str | None = None
@@ -328,18 +326,12 @@ class GraphedDecode:
         if self.attention == "padded":
             mask = torch.arange(capacity, device=self.device).view(1, 1, 1, -1) < kv_length.view(-1, 1, 1, 1)
             return RowAttention("padded", padded_mask=mask)
-        from torch.nn.attention.flex_attention import BlockMask
 
         def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return kv < kv_length[b]
 
         blocks = ((kv_length + KV_BLOCK - 1) // KV_BLOCK).to(torch.int32).view(size, 1, 1)
-        options: dict[str, Any] = {"BLOCK_SIZE": KV_BLOCK, "mask_mod": mask_mod, "seq_lengths": (1, capacity)}
-        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
-            options["compute_q_blocks"] = False  # only backward reads them
-        return RowAttention(
-            "flex", block_mask=BlockMask.from_kv_blocks(blocks, self.kv_indices[:size], **options)
-        )
+        return flex_rows(blocks, self.kv_indices[:size], mask_mod, 1, capacity)
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' decoder forward (compiled on CUDA): (last hidden [size, H], input

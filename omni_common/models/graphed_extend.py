@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from omni_common.models.graphed_attention import RowAttention
+from omni_common.models.graphed_attention import KV_BLOCK, RowAttention, flex_rows
 from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode, SlotRowsCache
 from omni_common.models.kv_slots import KVSlot, KVSlots
 
@@ -69,6 +69,14 @@ class GraphedExtend:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # tokens cached before
         self.last = torch.zeros(1, dtype=torch.long, device=self.device)  # the last real token
+        block_count = self.slots.capacity // KV_BLOCK
+        query_blocks = -(-largest // KV_BLOCK)
+        self.kv_indices = (
+            torch.arange(block_count, dtype=torch.int32, device=self.device)
+            .view(1, 1, 1, -1)
+            .expand(1, 1, query_blocks, -1)
+            .contiguous()
+        )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]] = {}
         self.pool: Any = None
         self.failed = False  # a recording failed: the eager prefill serves from then on
@@ -157,15 +165,33 @@ class GraphedExtend:
         decode = self.decode
         capacity = self.slots.capacity
         steps = self.start + torch.arange(size, device=self.device)  # each token's position
-        keep = torch.arange(capacity, device=self.device).view(1, -1) <= steps.view(-1, 1)
         embeds = decode.decoder.embed_tokens(self.ids[:size])  # type: ignore[operator]
         output = decode.decoder(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=self.positions[:, :size].unsqueeze(1),
             use_cache=True,
-            row_attention=RowAttention("padded", padded_mask=keep.view(1, 1, size, capacity)),
+            row_attention=self._row_attention(size, steps),
             **{decode.cache_argument: ExtendCache(self.slots, self.slot, steps.clamp(max=capacity - 1))},
         )
         hidden = output.last_hidden_state[0]
         last = hidden.index_select(0, self.last)
         return hidden, embeds, decode.lm_head(last).float()
+
+    def _row_attention(self, size: int, steps: torch.Tensor) -> RowAttention:
+        """Each query attends to the row up to its own position (`steps`): FlexAttention reading
+        only the row's blocks up to the last query's (flex), or one SDPA over the whole row
+        with a mask (padded: off CUDA, and heads too small for flex)."""
+        capacity = self.slots.capacity
+        if self.decode.attention == "padded":
+            keep = torch.arange(capacity, device=self.device).view(1, -1) <= steps.view(-1, 1)
+            return RowAttention("padded", padded_mask=keep.view(1, 1, size, capacity))
+        start = self.start
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return kv <= start[b] + q
+
+        query_blocks = -(-size // KV_BLOCK)
+        ends = (torch.arange(1, query_blocks + 1, device=self.device) * KV_BLOCK).clamp(max=size)
+        blocks = ((start + ends + KV_BLOCK - 1) // KV_BLOCK).clamp(max=capacity // KV_BLOCK)
+        indices = self.kv_indices[:, :, :query_blocks]
+        return flex_rows(blocks.to(torch.int32).view(1, 1, -1), indices, mask_mod, size, capacity)

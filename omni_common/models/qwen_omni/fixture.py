@@ -131,8 +131,10 @@ def _token_id(tokenizer: Qwen2Tokenizer, token: str) -> int:
     return vocab[token]
 
 
-def build_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5OmniConfig:
-    """The three sub-model configs, every text-side id taken from `tokenizer`."""
+def build_config(tokenizer: Qwen2Tokenizer, thinker_head_dim: int = HEAD_DIM) -> Qwen2_5OmniConfig:
+    """The three sub-model configs, every text-side id taken from `tokenizer`; the thinker's
+    attention heads are `thinker_head_dim` wide (HEAD_DIM, or 16 for GPU kernels that take no
+    narrower head: FlexAttention)."""
     vocab_size = -(-len(tokenizer) // 64) * 64
     ids = {token: _token_id(tokenizer, token) for token in ["<|endoftext|>", *SPECIAL_TOKENS]}
     media_ids = {
@@ -152,9 +154,13 @@ def build_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5OmniConfig:
         "max_window_layers": 2,
         "rope_parameters": rope,
     }
+    widen = thinker_head_dim // HEAD_DIM
+    thinker_rope = {**rope, "mrope_section": [widen * size for size in MROPE_SECTION]}
     thinker = {
         "text_config": {
             **decoder,
+            "num_attention_heads": HIDDEN // thinker_head_dim,
+            "rope_parameters": thinker_rope,
             "vocab_size": vocab_size,
             "tie_word_embeddings": False,
             "bos_token_id": ids["<|endoftext|>"],
@@ -266,13 +272,13 @@ def _reset_to_torch_init(module: nn.Module) -> nn.Module:
     return module
 
 
-def build_tiny_fixture(out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_fixture(out_dir: Path, *, seed: int = 0, thinker_head_dim: int = HEAD_DIM) -> Path:
     """Write the tiny Qwen2.5-Omni checkpoint, its tokenizer and spk_dict.pt to `out_dir`;
     returns it. Building twice gives identical files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = build_model(build_config(tokenizer), seed)
+    model = build_model(build_config(tokenizer, thinker_head_dim), seed)
     was_shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar for one shard of a few MB says nothing
     try:
