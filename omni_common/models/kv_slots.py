@@ -144,19 +144,23 @@ class KVSlots:
     def fill(self, slot: KVSlot, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Store a prefill's cache (per layer [1, kv_heads, L, head_dim]) in `slot`."""
         length = keys[0].shape[2]
-        for layer in range(self.layers):
-            self.keys[layer][slot.index, :, :length] = keys[layer][0]
-            self.values[layer][slot.index, :, :length] = values[layer][0]
+        rows = [buffer[slot.index, :, :length] for buffer in (*self.keys, *self.values)]
+        torch._foreach_copy_(rows, [cached[0] for cached in (*keys, *values)])  # one launch, not 2 a layer
         slot.length = length
 
-    def view(self, slot: KVSlot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """What `slot` caches, in place: per layer keys and values [1, kv_heads, length, head_dim]."""
-        rows, length = slice(slot.index, slot.index + 1), slot.length
+    def view(
+        self, slot: KVSlot, length: int | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """What `slot` caches (its first `length` tokens: all by default), in place: per layer
+        keys and values [1, kv_heads, length, head_dim]."""
+        rows, length = slice(slot.index, slot.index + 1), slot.length if length is None else length
         return tuple(k[rows, :, :length] for k in self.keys), tuple(v[rows, :, :length] for v in self.values)
 
-    def read(self, slot: KVSlot) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def read(
+        self, slot: KVSlot, length: int | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Copies of what `slot` caches (`view`'s)."""
-        keys, values = self.view(slot)
+        keys, values = self.view(slot, length)
         return tuple(k.clone() for k in keys), tuple(v.clone() for v in values)
 
     def batch(self, slots: Sequence[KVSlot]) -> SlotBatch:

@@ -155,6 +155,27 @@ def media_order(messages: Sequence[Mapping[str, Any]], kind: str) -> list[int]:
     ]
 
 
+def mrope_positions(model: Any, batch: BatchFeature) -> tuple[torch.Tensor | None, int]:
+    """The prompt's mrope positions [3, 1, L] from the processor's host tensors, and their
+    offset from the token count; None (and 0) where transformers' `get_rope_index` counts the
+    tokens in every row: no image and no video (its own branch, on the host). On a GPU,
+    get_rope_index's small copies and reads would each wait for the device; integer
+    arithmetic, so the same positions either way."""
+    if batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
+        return None, 0
+    audio_mask = batch.get("feature_attention_mask")
+    rope, deltas = model.get_rope_index(
+        batch["input_ids"],
+        batch.get("image_grid_thw"),
+        batch.get("video_grid_thw"),
+        torch.ones_like(batch["input_ids"]),
+        False,
+        None if audio_mask is None else audio_mask.sum(-1),
+        batch.get("video_second_per_grid"),
+    )
+    return rope, int(deltas.view(-1)[0])
+
+
 def process(
     processor: OmniProcessor,
     request: GenerationRequest,
@@ -168,7 +189,7 @@ def process(
     messages = conversation(request)
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if tokens is not None and not any(marker in text for marker in MEDIA_TOKENS.values()):
-        ids = torch.tensor([tokens.ids(text)])
+        ids = torch.from_numpy(np.frombuffer(tokens.ids(text), dtype=np.int64)).view(1, -1)
         return BatchFeature({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     shown = [input_audio_name(i) for i in media_order(messages, "audio")]
     shown += [input_image_name(i) for i in media_order(messages, "image")]
@@ -279,22 +300,11 @@ class ThinkerPrompt:
     ) -> ThinkerPrompt:
         messages = conversation(request)
         batch = process(processor, request, tensors, tokens)
-        # The mrope positions from the processor's host tensors: on a GPU, get_rope_index's
-        # small copies and reads each wait for the device (the bulk of a reused turn's host
-        # time on an H100); integer arithmetic, so the same positions either way.
-        audio_mask = batch.get("feature_attention_mask")
-        rope, deltas = model.get_rope_index(
-            batch["input_ids"],
-            batch.get("image_grid_thw"),
-            batch.get("video_grid_thw"),
-            torch.ones_like(batch["input_ids"]),
-            False,
-            None if audio_mask is None else audio_mask.sum(-1),
-            batch.get("video_second_per_grid"),
-        )
+        rope, delta = mrope_positions(model, batch)
         input_ids = batch["input_ids"].to(device)
         media = {name: batch[name].to(device) for name in MEDIA_INPUTS if name in batch}
         text = torch.arange(input_ids.shape[1], device=device).view(1, 1, -1)
+        positions = text.repeat(4, 1, 1) if rope is None else torch.cat([text, rope.to(device)])
         tokenizer: Any = processor.tokenizer
         ids_on_host = batch["input_ids"][0]  # the processor's own, on the host
         kinds = (("audio", request.audios), ("image", request.images), ("video", request.videos))
@@ -303,8 +313,8 @@ class ThinkerPrompt:
         )
         return cls(
             input_ids=input_ids,
-            positions=torch.cat([text, rope.to(device)]),
-            rope_delta=int(deltas.view(-1)[0]),
+            positions=positions,
+            rope_delta=delta,
             media=media,
             digests=(audio, image, video),
             markers=(

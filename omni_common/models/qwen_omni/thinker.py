@@ -66,6 +66,9 @@ class ThinkerState(GenerationState):
     text_sent: str = ""
     prompt: ThinkerPrompt
     history: list[torch.Tensor] = field(default_factory=list)  # the reply's talker rows sent so far
+    # The prompt's KV to keep, (its key, its talker rows): copied once the first token has gone
+    # out (`_keep_prompt`), not on its way.
+    keep: tuple[str, torch.Tensor | None] | None = None
 
 
 class Thinker(SlotGenerator):
@@ -288,7 +291,7 @@ class Thinker(SlotGenerator):
             specials = torch.tensor([bos, *self.talker_text_ids], device=self.device)
             state.first = {"prompt": rows, "specials": self.model.get_input_embeddings()(specials)}
         self.pick([state], logits)
-        self._keep(prompt.key(end), state, rows)  # after the pick, which waits for the device
+        state.keep = (prompt.key(end), rows)
         self.join(state, self._decode_positions(state))
 
     def _eager_chunk(self, prompt: ThinkerPrompt, prefill: Prefill, start: int, end: int) -> torch.Tensor:
@@ -333,12 +336,17 @@ class Thinker(SlotGenerator):
         prefill.kept.append(hidden + embeds)  # text only: no placeholder to zero
         return logits.view(1, 1, -1)
 
-    def _keep(self, key: str, state: ThinkerState, rows: torch.Tensor | None) -> None:
-        """Keep what `state`'s slot caches (copies) for later prompts that start so."""
+    def _keep_prompt(self, state: ThinkerState) -> None:
+        """Keep the prompt's KV that `state`'s slot caches (copies) for later prompts that start
+        so, once: after its first token went out (the next step, or its end). The prompt's
+        part of the slot stays as it is until the slot is released (a step writes past it)."""
+        if state.keep is None or state.slot.released:
+            return
+        (key, rows), state.keep = state.keep, None
         if self.prefixes.max_bytes <= 0:
             return
-        length = state.slot.length
-        keys, values = self.slots.read(state.slot)
+        length = state.prompt_length
+        keys, values = self.slots.read(state.slot, length)
         kept = None if rows is None else rows[:length].clone()
         self.prefixes.put(key, PrefixEntry(length, keys, values, kept))
 
@@ -348,6 +356,9 @@ class Thinker(SlotGenerator):
         each), then the next chunk of the earliest prompt being prefilled a chunk per step
         (`next_prefill`): a running reply waits for one chunk, never for a whole long prompt."""
         self._decode(self.live(states))
+        for state in states:  # (while the step runs on the device)
+            assert isinstance(state, ThinkerState)
+            self._keep_prompt(state)
         prefilling = self.next_prefill(states)
         if prefilling is not None:
             assert isinstance(prefilling, ThinkerState)
@@ -429,6 +440,7 @@ class Thinker(SlotGenerator):
         """{"text_ids": [n]} (the reply's tokens, eos kept); meta "tokens"."""
         assert isinstance(state, ThinkerState)
         try:
+            self._keep_prompt(state)
             self._keep_reply(state)
             return StageState(
                 tensors={"text_ids": state.generated.clone()}, meta={"tokens": str(state.step_index)}
