@@ -3,7 +3,8 @@ prompt and a conversation's turn after a reused prefix with a clip pick the eage
 tokens, with its talker rows within float rounding; a forward is recorded once per bucket,
 ahead by idle work, never per request. Both attentions of the extend: the padded SDPA (the
 fixture's 8-channel heads) and FlexAttention over the row's blocks (the same fixture with
-16-channel heads, the narrowest flex's kernels take)."""
+16-channel heads, the narrowest flex's kernels take, 3 a KV head: padded to 4 for flex's
+split-KV kernel when few tokens run)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module")
 def omni_model_wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_fixture(tmp_path_factory.mktemp("models") / "qwen-omni-16", thinker_head_dim=16)
+    return build_tiny_fixture(tmp_path_factory.mktemp("models") / "qwen-omni-16", flex_heads=True)
 
 
 ATTENTIONS = [("omni_model", "padded"), ("omni_model_wide_heads", "flex")]

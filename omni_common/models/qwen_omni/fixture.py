@@ -61,6 +61,10 @@ from omni_common.models.qwen_omni.processor import MEDIA_TOKENS, preprocessor_co
 HIDDEN = 32
 HEAD_DIM = 8
 MROPE_SECTION = [1, 1, 2]  # sums to HEAD_DIM / 2, split like the real [16, 24, 24]
+# A thinker attention for GPU kernels (tests/gpu): (query heads, head width). FlexAttention's
+# kernels take heads of 16 channels or more; 3 query heads a KV head, no power of two, as the
+# real 7 (graphed_attention.pad_groups).
+FLEX_HEADS = (6, 16)
 ENC_EMB_DIM = 16  # the speakers' "cond" width (real 192)
 MEL_DIM = 80
 REF_MEL_FRAMES = 30
@@ -131,10 +135,9 @@ def _token_id(tokenizer: Qwen2Tokenizer, token: str) -> int:
     return vocab[token]
 
 
-def build_config(tokenizer: Qwen2Tokenizer, thinker_head_dim: int = HEAD_DIM) -> Qwen2_5OmniConfig:
-    """The three sub-model configs, every text-side id taken from `tokenizer`; the thinker's
-    attention heads are `thinker_head_dim` wide (HEAD_DIM, or 16 for GPU kernels that take no
-    narrower head: FlexAttention)."""
+def build_config(tokenizer: Qwen2Tokenizer, flex_heads: bool = False) -> Qwen2_5OmniConfig:
+    """The three sub-model configs, every text-side id taken from `tokenizer`. `flex_heads`:
+    the thinker's attention shaped for the GPU kernels the real one's takes, FLEX_HEADS."""
     vocab_size = -(-len(tokenizer) // 64) * 64
     ids = {token: _token_id(tokenizer, token) for token in ["<|endoftext|>", *SPECIAL_TOKENS]}
     media_ids = {
@@ -154,13 +157,19 @@ def build_config(tokenizer: Qwen2Tokenizer, thinker_head_dim: int = HEAD_DIM) ->
         "max_window_layers": 2,
         "rope_parameters": rope,
     }
-    widen = thinker_head_dim // HEAD_DIM
-    thinker_rope = {**rope, "mrope_section": [widen * size for size in MROPE_SECTION]}
+    thinker_attention: dict[str, Any] = {}
+    if flex_heads:
+        heads, head_dim = FLEX_HEADS
+        widen = head_dim // HEAD_DIM
+        thinker_attention = {
+            "num_attention_heads": heads,
+            "head_dim": head_dim,
+            "rope_parameters": {**rope, "mrope_section": [widen * size for size in MROPE_SECTION]},
+        }
     thinker = {
         "text_config": {
             **decoder,
-            "num_attention_heads": HIDDEN // thinker_head_dim,
-            "rope_parameters": thinker_rope,
+            **thinker_attention,
             "vocab_size": vocab_size,
             "tie_word_embeddings": False,
             "bos_token_id": ids["<|endoftext|>"],
@@ -272,13 +281,13 @@ def _reset_to_torch_init(module: nn.Module) -> nn.Module:
     return module
 
 
-def build_tiny_fixture(out_dir: Path, *, seed: int = 0, thinker_head_dim: int = HEAD_DIM) -> Path:
+def build_tiny_fixture(out_dir: Path, *, seed: int = 0, flex_heads: bool = False) -> Path:
     """Write the tiny Qwen2.5-Omni checkpoint, its tokenizer and spk_dict.pt to `out_dir`;
     returns it. Building twice gives identical files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = build_model(build_config(tokenizer, thinker_head_dim), seed)
+    model = build_model(build_config(tokenizer, flex_heads), seed)
     was_shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar for one shard of a few MB says nothing
     try:
