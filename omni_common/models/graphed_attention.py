@@ -34,34 +34,6 @@ def attention_for(attention: str, head_dim: int, device: torch.device) -> str:
     return attention
 
 
-def pad_groups(query: torch.Tensor, groups: int) -> torch.Tensor:
-    """`query` [B, H, L, D] with each of its `groups` KV groups' query heads padded with zero
-    heads to a power of two, where that lets inductor run flex_attention's split-KV kernel
-    (flex decoding): it takes a power of two of query heads a KV head only, and a tile of
-    (heads a KV head x queries) within the block mask's query block (KV_BLOCK). Otherwise its
-    main kernel runs a block per query head over all the row's keys in turn (Qwen2.5-Omni's
-    thinker, 7 query heads a KV head: 28 blocks for an H100's 132 SMs). Grouped attention
-    sends each real head to the same KV head as before; `unpad_groups` drops the padding."""
-    batch, heads, length, dim = query.shape
-    group = heads // groups
-    padded = 1 << (group - 1).bit_length()
-    if padded == group or padded * length > KV_BLOCK:
-        return query
-    grouped = query.view(batch, groups, group, length, dim)
-    grouped = torch.nn.functional.pad(grouped, (0, 0, 0, 0, 0, padded - group))
-    return grouped.reshape(batch, groups * padded, length, dim)
-
-
-def unpad_groups(out: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
-    """The `heads` real heads of an attention output over `pad_groups`' query (all of it
-    when it was not padded)."""
-    batch, padded_heads, length, dim = out.shape
-    if padded_heads == heads:
-        return out
-    grouped = out.view(batch, groups, padded_heads // groups, length, dim)
-    return grouped[:, :, : heads // groups].reshape(batch, heads, length, dim)
-
-
 _flex: Callable[..., Any] | None = None
 
 
@@ -98,12 +70,9 @@ def graphed_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = cast(float, getattr(module, "scaling", query.shape[-1] ** -0.5))
     if row_attention.kind == "flex":
-        groups = key.shape[1]
-        queries = pad_groups(query, groups) if row_attention.pad_groups else query
         out = _compiled_flex()(
-            queries, key, value, block_mask=row_attention.block_mask, scale=scale, enable_gqa=True
+            query, key, value, block_mask=row_attention.block_mask, scale=scale, enable_gqa=True
         )
-        out = unpad_groups(out, groups, query.shape[1])
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=row_attention.padded_mask, scale=scale, enable_gqa=True
@@ -120,14 +89,11 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 @dataclass(eq=False)
 class RowAttention:
-    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask;
-    `pad_groups`: flex with each KV group's query heads padded to a power of two (`pad_groups`)
-    where that lets inductor run its split-KV kernel."""
+    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask."""
 
     kind: str
     block_mask: Any = None
     padded_mask: torch.Tensor | None = None
-    pad_groups: bool = False
 
 
 def flex_rows(
@@ -136,7 +102,6 @@ def flex_rows(
     mask_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     queries: int,
     capacity: int,
-    pad_groups: bool = False,
 ) -> RowAttention:
     """FlexAttention's block mask over rows of `capacity` keys, for `queries` queries a row:
     query block q of row b reads the KV blocks `indices[b, 0, q, :blocks[b, 0, q]]` (KV_BLOCK
@@ -148,8 +113,7 @@ def flex_rows(
     options["seq_lengths"] = (queries, capacity)
     if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
         options["compute_q_blocks"] = False  # only backward reads them
-    block_mask = BlockMask.from_kv_blocks(blocks, indices, **options)
-    return RowAttention("flex", block_mask=block_mask, pad_groups=pad_groups)
+    return RowAttention("flex", block_mask=BlockMask.from_kv_blocks(blocks, indices, **options))
 
 
 def use_graphed_attention(text_model: Any) -> None:

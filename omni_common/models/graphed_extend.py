@@ -194,6 +194,4 @@ class GraphedExtend:
         ends = (torch.arange(1, query_blocks + 1, device=self.device) * KV_BLOCK).clamp(max=size)
         blocks = ((start + ends + KV_BLOCK - 1) // KV_BLOCK).clamp(max=capacity // KV_BLOCK)
         indices = self.kv_indices[:, :, :query_blocks]
-        return flex_rows(
-            blocks.to(torch.int32).view(1, 1, -1), indices, mask_mod, size, capacity, pad_groups=True
-        )
+        return flex_rows(blocks.to(torch.int32).view(1, 1, -1), indices, mask_mod, size, capacity)

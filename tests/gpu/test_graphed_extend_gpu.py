@@ -3,8 +3,8 @@ prompt and a conversation's turn after a reused prefix with a clip pick the eage
 tokens, with its talker rows within float rounding; a forward is recorded once per bucket,
 ahead by idle work, never per request. Both attentions of the extend: the padded SDPA (the
 fixture's 8-channel heads) and FlexAttention over the row's blocks (the same fixture with
-16-channel heads, the narrowest flex's kernels take, 3 a KV head: padded to 4 for flex's
-split-KV kernel when few tokens run)."""
+16-channel heads, the narrowest flex's kernels take, 3 a KV head: no power of two, as the
+real 7)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ HEAD_DIM = 8
 MROPE_SECTION = [1, 1, 2]  # sums to HEAD_DIM / 2, split like the real [16, 24, 24]
 # A thinker attention for GPU kernels (tests/gpu): (query heads, head width). FlexAttention's
 # kernels take heads of 16 channels or more; 3 query heads a KV head, no power of two, as the
-# real 7 (graphed_attention.pad_groups).
+# real 7 (inductor picks another flex kernel for a power of two).
 FLEX_HEADS = (6, 16)
 ENC_EMB_DIM = 16  # the speakers' "cond" width (real 192)
 MEL_DIM = 80
