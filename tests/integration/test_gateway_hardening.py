@@ -2,11 +2,14 @@
 (Content-Length and Transfer-Encoding) is refused and its connection closed, so the request
 smuggled behind it is never served; slow headers and slow bodies are cut off (a request whose
 headers came is not cut by the header timeout); connections past the cap get 503; an
-unexpected fault is OpenAI's 500 with a request id and no traceback."""
+unexpected fault is OpenAI's 500 with a request id and no traceback; the six image requests
+that were once 500s (a size in unicode digits, a lone surrogate in three fields, JSON nested
+100,000 deep, as a document and inside a field) are 400s, with a key and without."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -140,3 +143,28 @@ def test_an_unexpected_fault_is_openais_500_with_a_request_id(
     error = response.json()["error"]
     assert error["type"] == "server_error" and response.headers["x-request-id"] in error["message"]
     assert "secret" not in response.text and "Traceback" not in response.text
+
+
+ONCE_500S = {
+    "a size in unicode digits": json.dumps({"prompt": "a cat", "size": "\u00b2x\u00b2"}).encode(),
+    "a lone surrogate in prompt": b'{"prompt": "x\\ud800y"}',
+    "a lone surrogate in negative_prompt": b'{"prompt": "a", "negative_prompt": "\\udfff"}',
+    "a lone surrogate in model": b'{"prompt": "a", "model": "\\ud800"}',
+    "a document nested 100,000 deep": b"[" * 100_000 + b"]" * 100_000,
+    "a field nested 100,000 deep": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+}
+
+
+def test_the_inputs_that_were_500s_are_400s_with_a_key_and_without(edge: Edge) -> None:
+    for name, body in ONCE_500S.items():
+        for headers in ({}, {"Authorization": "Bearer some-key"}):
+            response = httpx.post(
+                f"{edge.url}/v1/images/generations",
+                content=body,
+                headers={"Content-Type": "application/json", **headers},
+                timeout=30,
+            )
+            assert response.status_code == 400, (name, headers, response.text[:200])
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"], name
+            assert "Traceback" not in response.text, name

@@ -14,10 +14,12 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.client import Client, generate_request
 from omni_common.errors import OmniError
+from omni_common.models.lora_files import save_random_lora
 from omni_common.net.auth import API_KEY_HEADER, CLUSTER_TOKEN_HEADER
 from omni_common.net.rpc import sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
@@ -57,10 +59,12 @@ def dit_serving(cluster: InProcessCluster) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def control_code(cluster: InProcessCluster, call: str, request: object) -> grpc.StatusCode:
+def control_code(
+    cluster: InProcessCluster, call: str, request: object, timeout: float = 10.0
+) -> grpc.StatusCode:
     with sync_channel(cluster.addresses["dit-denoise"], metadata=OPERATOR) as channel:
         try:
-            getattr(stage_pb2_grpc.StageControlStub(channel), call)(request, timeout=10)
+            getattr(stage_pb2_grpc.StageControlStub(channel), call)(request, timeout=timeout)
         except grpc.RpcError as err:
             return err.code()
     return grpc.StatusCode.OK
@@ -71,10 +75,11 @@ def test_a_fifo_in_a_directory_is_refused_by_addlora_and_health_stays_serving(
 ) -> None:
     os.mkfifo(tmp_path / "a.safetensors")
     for path in (tmp_path, tmp_path / "a.safetensors"):
-        code = control_code(secured, "AddLora", stage_pb2.AddLoraRequest(name="f", path=str(path)))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        # Within a second, as a deadline: a call that blocked in open() would end DEADLINE_EXCEEDED.
+        add = stage_pb2.AddLoraRequest(name="f", path=str(path))
+        assert control_code(secured, "AddLora", add, timeout=1.0) == grpc.StatusCode.INVALID_ARGUMENT
         push = stage_pb2.LoadWeightsRequest(paths=[str(path)])
-        assert control_code(secured, "LoadWeights", push) == grpc.StatusCode.INVALID_ARGUMENT
+        assert control_code(secured, "LoadWeights", push, timeout=1.0) == grpc.StatusCode.INVALID_ARGUMENT
     assert dit_serving(secured)
 
 
@@ -93,8 +98,14 @@ def test_a_public_request_naming_a_fifo_adapter_is_refused_and_health_stays_serv
 def test_admin_calls_take_the_requests_limits_and_say_invalid_argument_for_nul(
     secured: InProcessCluster, tmp_path: Path
 ) -> None:
-    huge = stage_pb2.AddLoraRequest(name="s", path=str(tmp_path), scale=1e38)
-    assert control_code(secured, "AddLora", huge) == grpc.StatusCode.INVALID_ARGUMENT
+    transformer = QwenImageTransformer2DModel.from_pretrained(secured.model_dir / "transformer")
+    adapter = save_random_lora(tmp_path / "a.safetensors", transformer, seed=1)
+    for scale in (1e38, -101.0, float("nan")):  # a valid adapter: only its scale is wrong
+        huge = stage_pb2.AddLoraRequest(name="s", path=str(adapter), scale=scale)
+        assert control_code(secured, "AddLora", huge) == grpc.StatusCode.INVALID_ARGUMENT
+    fine = stage_pb2.AddLoraRequest(name="s", path=str(adapter), scale=100.0)
+    assert control_code(secured, "AddLora", fine) == grpc.StatusCode.OK
+    assert control_code(secured, "RemoveLora", stage_pb2.RemoveLoraRequest(name="s")) == grpc.StatusCode.OK
     nul = stage_pb2.AddLoraRequest(name="n", path="/tmp/a\0b")
     assert control_code(secured, "AddLora", nul) == grpc.StatusCode.INVALID_ARGUMENT
     assert control_code(secured, "LoadWeights", stage_pb2.LoadWeightsRequest(paths=["a\0b"])) == (
