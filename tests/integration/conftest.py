@@ -9,6 +9,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -118,7 +119,16 @@ class InProcessCluster:
         while not self._events[name].wait(0.1):
             if task.done():
                 task.result()  # raises the start-up error
+            if not self._thread.is_alive():  # a SystemExit (a port in use) ends the loop itself
+                raise RuntimeError(f"{name} did not start: the cluster's loop ended (its error is above)")
         assert name in self.addresses
+
+    def metrics(self, name: str) -> Samples:
+        """One scrape of the metrics of `name` ("coordinator" or a stage), at the metrics_port
+        its options gave (choose it when the cluster starts: a port picked at import may be
+        another's by then)."""
+        options = self.coordinator_options if name == "coordinator" else self.stage_options[name]
+        return scrape(cast(int, options["metrics_port"]))
 
     def call(self, coro):
         """Run a coroutine on the cluster's loop (to reach its objects) and wait for it."""

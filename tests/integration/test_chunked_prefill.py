@@ -15,17 +15,16 @@ import pytest
 from omni_common.client import Client
 from omni_common.cluster import free_port
 from omni_common.models.qwen_omni.reference import reference_generate
-from tests.integration.conftest import InProcessCluster, scrape
+from tests.integration.conftest import InProcessCluster
 
 LONG = " ".join(f"Sentence {i} of a long prompt about boats, rivers and the sea." for i in range(4))
 CAPS = {"max_new_tokens": 12, "talker_max_new_tokens": 40}
-METRICS = free_port()
 
 
 @pytest.fixture(scope="module")
 def chunked(omni_model: Path) -> Iterator[InProcessCluster]:
     running = InProcessCluster(
-        omni_model, stage_options={"ar-encoder": {"prefill_chunk_tokens": 16, "metrics_port": METRICS}}
+        omni_model, stage_options={"ar-encoder": {"prefill_chunk_tokens": 16, "metrics_port": free_port()}}
     )
     running.start()
     yield running
@@ -44,4 +43,4 @@ def test_a_long_prompt_prefilled_in_chunks_says_the_reference_reply(
     # Measured: 0 over 19,200 samples; the bound allows what float rounding of the rows could move.
     np.testing.assert_allclose(reply.audio, ref.waveform.numpy(), rtol=0, atol=1e-4)
     labels = frozenset({"stage": "ar-encoder", "role": "thinker"}.items())
-    assert scrape(METRICS)[("omnistage_prefill_chunks_total", labels)] >= 3
+    assert chunked.metrics("ar-encoder")[("omnistage_prefill_chunks_total", labels)] >= 3

@@ -23,26 +23,25 @@ from prometheus_client.parser import text_string_to_metric_families
 from omni_common.client import Client
 from omni_common.cluster import free_port
 
-from .conftest import InProcessCluster, InProcessGateway, scrape
+from .conftest import InProcessCluster, InProcessGateway
 
 KEY = "gateway-test-key"
 MODEL = "qwen-image-tiny"
 # Two requests in flight at most: a third one is refused with 429 (test_busy_...).
 MAX_IN_FLIGHT = 2
 # The coordinator's metrics say how many requests ended CANCELLED.
-METRICS_PORT = free_port()
 CANCELLED = ("omnistage_coordinator_requests_failed_total", frozenset({("code", "CANCELLED")}))
 
 
-def cancelled() -> float:
-    return scrape(METRICS_PORT).get(CANCELLED, 0.0)
+def cancelled(cluster: InProcessCluster) -> float:
+    return cluster.metrics("coordinator").get(CANCELLED, 0.0)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: Path) -> Iterator[InProcessCluster]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMNISTAGE_API_KEYS", KEY)
-        options = {"max_in_flight": MAX_IN_FLIGHT, "metrics_port": METRICS_PORT}
+        options = {"max_in_flight": MAX_IN_FLIGHT, "metrics_port": free_port()}
         running = InProcessCluster(tiny_model, coordinator_options=options)
         running.start()
         yield running
@@ -192,8 +191,8 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
             data.append(line[5:].lstrip())
 
 
-def test_busy_is_429_with_retry_after_and_a_client_that_leaves_frees_its_slot(gateway) -> None:
-    before = cancelled()
+def test_busy_is_429_with_retry_after_and_a_client_that_leaves_frees_its_slot(cluster, gateway) -> None:
+    before = cancelled(cluster)
     # Two long streamed requests fill the coordinator (max_in_flight 2) ...
     long = {**SMALL, "n": MAX_IN_FLIGHT, "num_inference_steps": 1000, "stream": True}
     with httpx.stream(
@@ -213,7 +212,7 @@ def test_busy_is_429_with_retry_after_and_a_client_that_leaves_frees_its_slot(ga
         assert int(busy.headers["Retry-After"]) >= 1
     # Leaving the stream cancels both requests in the cluster, and a new one is served.
     deadline = time.monotonic() + 10
-    while cancelled() < before + MAX_IN_FLIGHT:
+    while cancelled(cluster) < before + MAX_IN_FLIGHT:
         assert time.monotonic() < deadline, "closing the stream did not cancel its requests"
         time.sleep(0.05)
     assert post(gateway.url, SMALL).status_code == 200
@@ -347,25 +346,25 @@ def test_the_openai_clients_own_stream_gets_previews_then_the_image(cluster, gat
     np.testing.assert_array_equal(pixels(base64.b64decode(done.b64_json)), pixels(expected))
 
 
-def test_a_refused_image_cancels_the_others_of_its_request(gateway) -> None:
-    before = cancelled()
+def test_a_refused_image_cancels_the_others_of_its_request(cluster, gateway) -> None:
+    before = cancelled(cluster)
     # Three long images where two fit: the third is refused, so the request is 429 ...
     response = post(gateway.url, {**SMALL, "n": MAX_IN_FLIGHT + 1, "num_inference_steps": 1000})
     assert response.status_code == 429
     # ... and the two accepted ones were cancelled with it, not left running.
     deadline = time.monotonic() + 10
-    while cancelled() < before + MAX_IN_FLIGHT:
+    while cancelled(cluster) < before + MAX_IN_FLIGHT:
         assert time.monotonic() < deadline, "the accepted images of a refused request kept running"
         time.sleep(0.05)
     assert post(gateway.url, SMALL).status_code == 200
 
 
-def test_a_client_that_stops_waiting_cancels_its_request(gateway) -> None:
-    before = cancelled()
+def test_a_client_that_stops_waiting_cancels_its_request(cluster, gateway) -> None:
+    before = cancelled(cluster)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         post(gateway.url, {**SMALL, "num_inference_steps": 1000}, timeout=0.5)
     deadline = time.monotonic() + 10
-    while cancelled() < before + 1:
+    while cancelled(cluster) < before + 1:
         assert time.monotonic() < deadline, "the request of a client that left kept running"
         time.sleep(0.05)
 

@@ -25,18 +25,17 @@ import pytest
 from omni_common.client import Client
 from omni_common.cluster import free_port
 
-from .conftest import InProcessCluster, InProcessGateway, scrape
+from .conftest import InProcessCluster, InProcessGateway
 
 PROMPT = "Tell me a short story."
 CAPS = {"max_new_tokens": 16, "talker_max_new_tokens": 60}
 LONG = {"max_new_tokens": 200, "talker_max_new_tokens": 200}  # several audio chunks
-METRICS_PORT = free_port()
 CANCELLED = ("omnistage_coordinator_requests_failed_total", frozenset({("code", "CANCELLED")}))
 
 
 @pytest.fixture(scope="module")
 def omni(omni_model: Path) -> Iterator[InProcessCluster]:
-    running = InProcessCluster(omni_model, coordinator_options={"metrics_port": METRICS_PORT})
+    running = InProcessCluster(omni_model, coordinator_options={"metrics_port": free_port()})
     running.start()
     yield running
     running.stop()
@@ -152,18 +151,18 @@ def test_the_first_audio_comes_before_the_last_text(gateway) -> None:
     assert "audio" in kinds[:last_text], "no audio arrived before the reply's last text"
 
 
-def cancelled() -> float:
-    return scrape(METRICS_PORT).get(CANCELLED, 0.0)
+def cancelled(omni: InProcessCluster) -> float:
+    return omni.metrics("coordinator").get(CANCELLED, 0.0)
 
 
 def test_a_client_that_leaves_mid_speech_frees_every_lease(omni, gateway) -> None:
-    before = cancelled()
+    before = cancelled(omni)
     body = {"input": PROMPT, "voice": "Chelsie", "options": {**LONG, "talker_max_new_tokens": 2000}}
     with httpx.stream("POST", f"{gateway.url}/v1/audio/speech", json=body, timeout=120) as response:
         assert response.status_code == 200
         next(response.iter_raw())  # the header and the first audio came; now leave
     deadline = time.monotonic() + 20
-    while cancelled() < before + 1 or any(omni.live_leases().values()):
+    while cancelled(omni) < before + 1 or any(omni.live_leases().values()):
         assert time.monotonic() < deadline, f"leases left: {omni.live_leases()}"
         time.sleep(0.05)
 

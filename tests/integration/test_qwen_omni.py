@@ -25,18 +25,15 @@ from omni_common.net.rpc import sync_channel
 from omnistage.v1 import coordinator_pb2 as cpb
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage_cli import main as cli
-from tests.integration.conftest import InProcessCluster, scrape
+from tests.integration.conftest import InProcessCluster
 
 PROMPT = "Tell me a short story."
 CAPS = {"max_new_tokens": 16, "talker_max_new_tokens": 60}
 
 
-ENCODER_METRICS = free_port()
-
-
 @pytest.fixture(scope="module")
 def omni(omni_model: Path) -> Iterator[InProcessCluster]:
-    running = InProcessCluster(omni_model, stage_options={"ar-encoder": {"metrics_port": ENCODER_METRICS}})
+    running = InProcessCluster(omni_model, stage_options={"ar-encoder": {"metrics_port": free_port()}})
     running.start()
     yield running
     running.stop()
@@ -100,9 +97,9 @@ def test_each_step_streams_into_the_next_and_audio_comes_before_the_end(omni: In
     assert streamed[-1].result.text == one_shot.text
 
 
-def talker_feeds() -> float:
+def talker_feeds(cluster: InProcessCluster) -> float:
     key = ("omnistage_stage_feeds_total", frozenset({"stage": "ar-encoder", "role": "talker"}.items()))
-    return scrape(ENCODER_METRICS).get(key, 0.0)
+    return cluster.metrics("ar-encoder").get(key, 0.0)
 
 
 def test_rows_in_groups_give_the_same_reply_in_fewer_feeds(omni: InProcessCluster) -> None:
@@ -112,9 +109,9 @@ def test_rows_in_groups_give_the_same_reply_in_fewer_feeds(omni: InProcessCluste
     ceil((n - 2) / 4) + the end in groups of 4. The reply is the same, bit for bit."""
     replies, feeds = {}, {}
     for k in (1, 4):
-        before = talker_feeds()
+        before = talker_feeds(omni)
         replies[k] = events(omni, options={"feed_tokens": k})
-        feeds[k] = talker_feeds() - before
+        feeds[k] = talker_feeds(omni) - before
     text = ["".join(e.text.text for e in replies[k] if e.HasField("text")) for k in (1, 4)]
     audio = [b"".join(e.audio.data for e in replies[k] if e.HasField("audio")) for k in (1, 4)]
     assert text[0] == text[1] and audio[0] == audio[1] and audio[0]
