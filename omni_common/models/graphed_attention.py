@@ -69,7 +69,9 @@ def graphed_attention(
             ).tril(past)[None, None]
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     scale = cast(float, getattr(module, "scaling", query.shape[-1] ** -0.5))
-    if row_attention.kind == "flex":
+    if row_attention.kind == "flex" and row_attention.splits > 1:
+        out = _split_flex(query, key, value, row_attention, scale)
+    elif row_attention.kind == "flex":
         out = _compiled_flex()(
             query, key, value, block_mask=row_attention.block_mask, scale=scale, enable_gqa=True
         )
@@ -78,6 +80,36 @@ def graphed_attention(
             query, key, value, attn_mask=row_attention.padded_mask, scale=scale, enable_gqa=True
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _split_flex(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, row_attention: RowAttention, scale: float
+) -> torch.Tensor:
+    """FlexAttention split over the row's keys: each query head repeated `splits` times, copy s
+    reading split s of the row's blocks (the block mask's heads say which), then the copies
+    combined by their log-sum-exps. flex's main kernel runs a block per (query block, head),
+    so a few queries over a long row would otherwise leave most of the GPU idle, walking the
+    row in turn; its split-KV kernel takes only a power of two of query heads a KV head."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    batch, heads, length, dim = query.shape
+    groups, splits = key.shape[1], row_attention.splits
+    group = heads // groups
+    repeated = query.view(batch, groups, 1, group, length, dim).expand(-1, -1, splits, -1, -1, -1)
+    out, aux = _compiled_flex()(
+        repeated.reshape(batch, groups * splits * group, length, dim),
+        key,
+        value,
+        block_mask=row_attention.block_mask,
+        scale=scale,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )
+    # Split 0 holds the row's first key, which every query sees: no query's weights are all 0.
+    weights = torch.softmax(aux.lse.view(batch, groups, splits, group, length).float(), dim=2)
+    parts = out.view(batch, groups, splits, group, length, dim).float()
+    combined = (parts * weights.unsqueeze(-1)).sum(dim=2)
+    return combined.reshape(batch, heads, length, dim).to(query.dtype)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -89,11 +121,14 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 @dataclass(eq=False)
 class RowAttention:
-    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask."""
+    """What `graphed_attention` reads in one step: the rows' block mask (flex) or padded mask;
+    `splits` > 1: flex over that many splits of the keys (`_split_flex`; the block mask's
+    heads are the query heads x splits)."""
 
     kind: str
     block_mask: Any = None
     padded_mask: torch.Tensor | None = None
+    splits: int = 1
 
 
 def flex_rows(
@@ -102,6 +137,7 @@ def flex_rows(
     mask_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     queries: int,
     capacity: int,
+    splits: int = 1,
 ) -> RowAttention:
     """FlexAttention's block mask over rows of `capacity` keys, for `queries` queries a row:
     query block q of row b reads the KV blocks `indices[b, 0, q, :blocks[b, 0, q]]` (KV_BLOCK
@@ -113,7 +149,51 @@ def flex_rows(
     options["seq_lengths"] = (queries, capacity)
     if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
         options["compute_q_blocks"] = False  # only backward reads them
-    return RowAttention("flex", block_mask=BlockMask.from_kv_blocks(blocks, indices, **options))
+    block_mask = BlockMask.from_kv_blocks(blocks, indices, **options)
+    return RowAttention("flex", block_mask=block_mask, splits=splits)
+
+
+def causal_flex_rows(
+    start: torch.Tensor, queries: int, capacity: int, heads: tuple[int, int, int]
+) -> RowAttention:
+    """FlexAttention for `queries` new tokens of one row of `capacity` keys after the `start`
+    [1] it caches (a device tensor): each query sees the row up to its own position, reading
+    only the blocks before it, in `heads` = (query heads, KV heads, splits) splits of them
+    (`_split_flex`; 1: one pass)."""
+    query_heads, groups, splits = heads
+    device = start.device
+    query_blocks = -(-queries // KV_BLOCK)
+    ends = (torch.arange(1, query_blocks + 1, device=device) * KV_BLOCK).clamp(max=queries)
+    block_count = capacity // KV_BLOCK
+    blocks = ((start + ends + KV_BLOCK - 1) // KV_BLOCK).clamp(max=block_count)
+    counts, indices = _split_blocks(blocks, query_heads, groups, splits, block_count)
+    first, count = indices[0, :, :, 0], counts[0]
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        # Causal from the row's cached length, and within the blocks of this head's split
+        # (what the block lists say too: the same mask for every kernel and for the reference).
+        block, lo = kv // KV_BLOCK, first[h, q // KV_BLOCK]
+        return (kv <= start[b] + q) & (block >= lo) & (block < lo + count[h, q // KV_BLOCK])
+
+    return flex_rows(counts, indices, mask_mod, queries, capacity, splits)
+
+
+def _split_blocks(
+    blocks: torch.Tensor, heads: int, groups: int, splits: int, block_count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flex_rows`' blocks and indices for one row read in `splits` splits (`_split_flex`):
+    from `blocks` [query blocks] (how many of the row's first blocks each query block reads),
+    per repeated head (heads x splits, in `_split_flex`'s order) and query block, the
+    contiguous share of those blocks its split reads ([1, heads x splits, query blocks] and
+    [1, heads x splits, query blocks, block_count])."""
+    group = heads // groups
+    device = blocks.device
+    split = torch.arange(groups * splits * group, device=device) // group % splits
+    share = (blocks + splits - 1) // splits
+    first = split.view(-1, 1) * share.view(1, -1)
+    counts = torch.minimum((blocks.view(1, -1) - first).clamp(min=0), share.view(1, -1))
+    indices = (first.unsqueeze(-1) + torch.arange(block_count, device=device)).clamp(max=block_count - 1)
+    return counts.to(torch.int32).unsqueeze(0), indices.to(torch.int32).unsqueeze(0)
 
 
 def use_graphed_attention(text_model: Any) -> None:

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
-from omni_common.models.graphed_attention import KV_BLOCK, RowAttention, flex_rows
+from omni_common.models.graphed_attention import RowAttention, causal_flex_rows
 from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode, SlotRowsCache
 from omni_common.models.kv_slots import KVSlot, KVSlots
 
 log = logging.getLogger("omnistage.graphed_extend")
 
 EXTEND_BUCKETS = (16, 32, 64, 128, 256)  # token counts a forward is recorded for
+MAX_SPLITS = 8  # the most splits of a row's keys one extend's attention reads at once
 
 
 class ExtendCache(SlotRowsCache):
@@ -69,14 +70,14 @@ class GraphedExtend:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # tokens cached before
         self.last = torch.zeros(1, dtype=torch.long, device=self.device)  # the last real token
-        block_count = self.slots.capacity // KV_BLOCK
-        query_blocks = -(-largest // KV_BLOCK)
-        self.kv_indices = (
-            torch.arange(block_count, dtype=torch.int32, device=self.device)
-            .view(1, 1, 1, -1)
-            .expand(1, 1, query_blocks, -1)
-            .contiguous()
-        )
+        config: Any = decode.decoder.config
+        self.heads = int(config.num_attention_heads)
+        # flex's main kernel runs a block per query head: a few queries over a long row read
+        # the row in `splits` splits at once, enough to fill the GPU's multiprocessors.
+        self.splits = 1
+        if self.device.type == "cuda":
+            processors = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.splits = max(1, min(MAX_SPLITS, processors // self.heads))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, dict[str, torch.Tensor]]] = {}
         self.pool: Any = None
         self.failed = False  # a recording failed: the eager prefill serves from then on
@@ -185,13 +186,5 @@ class GraphedExtend:
         if self.decode.attention == "padded":
             keep = torch.arange(capacity, device=self.device).view(1, -1) <= steps.view(-1, 1)
             return RowAttention("padded", padded_mask=keep.view(1, 1, size, capacity))
-        start = self.start
-
-        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return kv <= start[b] + q
-
-        query_blocks = -(-size // KV_BLOCK)
-        ends = (torch.arange(1, query_blocks + 1, device=self.device) * KV_BLOCK).clamp(max=size)
-        blocks = ((start + ends + KV_BLOCK - 1) // KV_BLOCK).clamp(max=capacity // KV_BLOCK)
-        indices = self.kv_indices[:, :, :query_blocks]
-        return flex_rows(blocks.to(torch.int32).view(1, 1, -1), indices, mask_mod, size, capacity)
+        groups = self.slots.shape[0]
+        return causal_flex_rows(self.start, size, capacity, (self.heads, groups, self.splits))
