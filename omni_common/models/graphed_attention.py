@@ -167,13 +167,12 @@ def causal_flex_rows(
     block_count = capacity // KV_BLOCK
     blocks = ((start + ends + KV_BLOCK - 1) // KV_BLOCK).clamp(max=block_count)
     counts, indices = _split_blocks(blocks, query_heads, groups, splits, block_count)
-    first, count = indices[0, :, :, 0], counts[0]
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        # Causal from the row's cached length, and within the blocks of this head's split
-        # (what the block lists say too: the same mask for every kernel and for the reference).
-        block, lo = kv // KV_BLOCK, first[h, q // KV_BLOCK]
-        return (kv <= start[b] + q) & (block >= lo) & (block < lo + count[h, q // KV_BLOCK])
+        # Causal from the row's cached length. Which split reads a block is the block lists'
+        # business alone: the kernels visit only the listed blocks (mask_mod indexing tensors
+        # built in the same graph broke inductor's flex template: "XBLOCK is not defined").
+        return kv <= start[b] + q
 
     return flex_rows(counts, indices, mask_mod, queries, capacity, splits)
 
