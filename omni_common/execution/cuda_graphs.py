@@ -127,18 +127,24 @@ class CudaGraphCache:
         inputs: Inputs,
         fn: Callable[[Inputs], torch.Tensor],
         decision_key: Hashable | None = None,
+        lockstep: bool = False,
     ) -> torch.Tensor | None:
         """`fn(inputs)` by replaying the graph of `key` (captured now if new); None when
         `fn` cannot be captured or its replay is no faster: the caller runs it eagerly.
         Every call of one key must pass inputs of the same shapes and dtypes; `fn` must read
         nothing but `inputs` and state that stays put (weights). Keys of one `decision_key`
-        (default: the key itself) share whether a replay pays, timed once."""
+        (default: the key itself) share whether a replay pays, timed once.
+
+        `lockstep`: `fn` holds collectives, and every rank of its group makes this same call.
+        The graph is then kept untimed: each rank runs `fn` the same number of times (a
+        timing could keep the graph on one rank and drop it on another, and a rank that
+        timed a replay more would wait in a collective its peers never join)."""
         captured = self._graphs.get(key)
         if captured is None:
             decision_key = key if decision_key is None else decision_key
             if decision_key in self._eager:
                 return None
-            return self._capture(key, decision_key, inputs, fn)
+            return self._capture(key, decision_key, inputs, fn, lockstep)
         self._graphs.move_to_end(key)
         for name, value in inputs.items():
             captured.inputs[name].copy_(value)
@@ -146,12 +152,18 @@ class CudaGraphCache:
         return captured.output.clone()
 
     def _capture(
-        self, key: Hashable, decision_key: Hashable, inputs: Inputs, fn: Callable[[Inputs], torch.Tensor]
+        self,
+        key: Hashable,
+        decision_key: Hashable,
+        inputs: Inputs,
+        fn: Callable[[Inputs], torch.Tensor],
+        lockstep: bool = False,
     ) -> torch.Tensor | None:
         """Capture the graph of `key`; returns this call's output, from the eager run that
-        precedes a capture (None when even that failed, or the decision is known to be no)."""
-        known = self._speedups.get(decision_key)
-        if known is None and self.decisions is not None:
+        precedes a capture (None when even that failed, or the decision is known to be no).
+        `lockstep`: one eager run, then the capture, kept untimed (`run`)."""
+        known = None if lockstep else self._speedups.get(decision_key)
+        if known is None and self.decisions is not None and not lockstep:
             known = self.decisions.get(decision_key)
         if known is not None and not _pays(known):  # timed before: no gain
             self._eager.add(decision_key)
@@ -167,7 +179,7 @@ class CudaGraphCache:
                     # Lazy initialisation, caches, compilation. With the decision known (a new
                     # prompt length of a timed bucket) one run, whose output is this call's;
                     # otherwise the last run is the eager time.
-                    if known:
+                    if known or lockstep:
                         output = fn(static)
                     else:
                         for _ in range(self.warmup_runs - 1):
@@ -186,8 +198,8 @@ class CudaGraphCache:
                 self._eager.add(decision_key)
                 log.warning("cannot capture a CUDA graph for %s; running it eagerly: %s", key, err)
                 return output
-            if known is not None:  # paid when first timed: nothing to time again
-                self._keep(key, _Captured(graph, static, static_output, known))
+            if known is not None or lockstep:  # paid when first timed, or never timed
+                self._keep(key, _Captured(graph, static, static_output, 1.0 if known is None else known))
                 return output
             replay_s = min(self._timed(graph.replay) for _ in range(2))
         speedup = eager_s / replay_s

@@ -8,7 +8,7 @@ to check); a runner has a capability by having its members, without naming the p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -128,12 +128,15 @@ class ConfiguresExecution(Protocol):
 @runtime_checkable
 class SpreadsForwards(Protocol):
     """A denoiser whose forwards a replica over several devices may spread over them (sequence
-    or CFG parallel) as well as run on one device: while `spread` is set it replays none of its
-    CUDA graphs (each holds a forward of its own device alone), and `rehearse` runs its
-    warm-up's forwards again without graphs, so that the replica can compile the spread shapes
-    before a request meets them."""
+    or CFG parallel) as well as run on one device. While `spread` is set (None: this device
+    alone), it names the group the next forward spreads over, the same on every rank of it
+    (empty: none, the forward runs here alone); a spread forward replays only the graphs every
+    rank of its group captured together (the collectives inside, no timing that could keep a
+    graph on one rank and drop it on another). `rehearse` runs its warm-up's forwards again
+    without graphs, so that the replica can compile the spread shapes before a request meets
+    them."""
 
-    spread: bool
+    spread: Callable[[], Hashable] | None
 
     def rehearse(self) -> None: ...
 

@@ -35,7 +35,12 @@ from omni_common.models.base import (
     StepRunner,
     StepState,
 )
-from omni_common.models.capabilities import ConfiguresExecution, SplitsCfgBranches, SpreadsForwards
+from omni_common.models.capabilities import (
+    ConfiguresExecution,
+    HoldsCudaGraphs,
+    SplitsCfgBranches,
+    SpreadsForwards,
+)
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.sequence_parallel import SequenceParallel
@@ -175,11 +180,16 @@ def rank_main(
         world_size=len(devices),
         timeout=COLLECTIVE_TIMEOUT,
     )
+    runner: StepRunner | None = None
     try:
         runner, sp, weight_bytes = _load(config, role, device, len(devices))
         outbox.put(RankReply(rank, Ready(str(device), weight_bytes)))
         _serve(rank, runner, sp, inbox, outbox, parent)
     finally:
+        if isinstance(runner, HoldsCudaGraphs):
+            # Graphs holding captured NCCL calls hung the group's teardown on 2 H200s
+            # (benchmarks/dit_parallel.py): they go first.
+            runner.forget_cuda_graphs()
         dist.destroy_process_group()
 
 
@@ -218,9 +228,10 @@ def _configure(
     """The DiT's execution, once the hooks are in: its blocks compiled (--compile, auto: on
     GPUs) with the collectives traced inside, and CUDA graphs (--cuda-graphs, auto: on GPUs) as
     a one-device replica has them, for the forwards this rank runs alone (one-device and
-    data-parallel requests). The spread forwards (sequence and CFG parallel) run the compiled
-    blocks without graphs; the warm-up runs each shape alone, then spread inside the whole
-    group, so no request waits for a compile."""
+    data-parallel requests, a CFG branch on a half of one rank). A sequence-parallel forward
+    replays a graph of its own, the all-to-alls inside, that every rank of its group captured
+    at the same step (SpreadsForwards). The warm-up runs each shape alone, then spread inside
+    the whole group, so no request waits for a compile."""
     on_gpu = device.type == "cuda"
     compile_blocks = config.compile == "on" or (config.compile == "auto" and on_gpu)
     # Only a runner that can be told which forwards are spread may hold graphs.
@@ -305,14 +316,14 @@ def _run(
 @contextlib.contextmanager
 def _collective(runner: object, sp: SequenceParallel) -> Iterator[None]:
     """Forwards inside spread over every rank: sequence parallel, and the CFG branches on the
-    two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches); none
-    of the runner's graphs replays meanwhile (SpreadsForwards)."""
+    two halves of the ranks where the runner takes them apart (LatentSteps.cfg_branches); the
+    runner asks which group each forward spreads over (SpreadsForwards: its graphs by group)."""
     splitter = runner if isinstance(runner, SplitsCfgBranches) else None
     spreader = runner if isinstance(runner, SpreadsForwards) else None
     if splitter is not None:
         splitter.cfg_branches = sp.branches
     if spreader is not None:
-        spreader.spread = True
+        spreader.spread = sp.group_key
     try:
         with sp.use(sp.full):
             yield
@@ -320,4 +331,4 @@ def _collective(runner: object, sp: SequenceParallel) -> Iterator[None]:
         if splitter is not None:
             splitter.cfg_branches = None
         if spreader is not None:
-            spreader.spread = False
+            spreader.spread = None

@@ -144,6 +144,10 @@ class SequenceParallel:
         finally:
             self.group = outer
 
+    def group_key(self) -> tuple[int, ...]:
+        """The ranks the forward under way spreads over (empty: it runs on this rank alone)."""
+        return () if self.group is None else tuple(self.group.ranks)
+
     def branches(self, cond: Branch, uncond: Branch) -> tuple[torch.Tensor, torch.Tensor]:
         """The conditional and unconditional predictions: with CFG parallel each half of the
         ranks runs one branch, then peers swap; otherwise both run here, in order."""

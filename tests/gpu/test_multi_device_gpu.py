@@ -5,7 +5,8 @@ One GPU runs the whole device path (a worker process, NCCL with one rank, the sh
 rings, the gather); two GPUs add the all-to-alls of sequence parallel and CFG parallel (forced:
 the automatic mode keeps a lone tiny request on one rank). allclose, not bitwise: the
 all-to-alls change the summation order; eager on both sides, then compiled and replayed as CUDA
-graphs on both sides (the ranks replay theirs for a request on one rank, never a spread one).
+graphs on both sides (a spread forward replays the graph its ranks captured together, the
+all-to-alls inside).
 """
 
 from __future__ import annotations

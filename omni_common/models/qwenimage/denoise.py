@@ -105,7 +105,7 @@ class QwenImageDenoiser(LatentSteps, TransformerExecution):
         self.loras = LoraLayers(transformer, read_qwenimage_lora, device=device, dtype=dtype)
         self.lora_grouped = False
         self.devices = 1  # devices one forward is spread over (DenoiserOptions.devices)
-        self.spread = False
+        self.spread = None
         self.runners = {"denoise": self}
 
     @classmethod

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,8 +73,8 @@ class TransformerExecution:
     lora_grouped: bool
     devices: int  # devices one forward is spread over (DenoiserOptions.devices)
     # Set by a replica over several devices around the forwards it spreads over them (sequence
-    # or CFG parallel, SpreadsForwards): no graph replays then, each holds a one-device forward.
-    spread: bool
+    # or CFG parallel, SpreadsForwards): the group the next forward spreads over.
+    spread: Callable[[], Hashable] | None
     graphed: GraphedTransformer | None
     compiled: bool
     modulation: ModulationCache | None
@@ -184,8 +184,11 @@ class TransformerExecution:
         embeds = embeds.to(self.dtype)
         if self.loras.active:
             modulation = None  # adapters may change the modulation layers: computed in the forward
-        if self.graphed is not None and not self.loras.active and not self.spread:
-            replayed = self.graphed(latents, timestep, embeds, mask, img_shapes, modulation)
+        if self.graphed is not None and not self.loras.active:
+            group = self.spread() if self.spread is not None else None
+            replayed = self.graphed(
+                latents, timestep, embeds, mask, img_shapes, modulation, spread=group or None
+            )
             if replayed is not None:
                 return replayed
         return transformer_forward(

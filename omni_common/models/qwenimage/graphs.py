@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -170,13 +170,21 @@ class GraphedTransformer:
         mask: torch.Tensor | None,
         img_shapes: ImgShapes,
         modulation: torch.Tensor | None = None,
+        spread: Hashable | None = None,
     ) -> torch.Tensor | None:
+        """The forward replayed (captured first if new); None: the caller runs it eagerly.
+        `spread` names the group of ranks a sequence-parallel forward spreads over (None: this
+        device alone): its graph holds the group's collectives, so every rank of the group
+        captures it at the same call and keeps it (`CudaGraphCache.run`'s lockstep), and its
+        rows are never padded (no timing says whether padding pays)."""
         rows = latents.shape[0]
         key = graph_key(
             rows, img_shapes[0][0], embeds.shape[1], mask is not None, latents.dtype, modulation is not None
         )
-        if key is None:
+        if key is None or (spread is not None and key.batch != rows):
             return None
+        if spread is not None:
+            key = key._replace(decision=(*key.decision, "spread", spread))
         speedup = self.cache.speedup(key.graph)
         if speedup is not None and speedup * rows < key.batch:
             # The padded rows would cost more than the replay saves (compute-bound shapes):
@@ -189,7 +197,9 @@ class GraphedTransformer:
             with capturable_text_mask():
                 return self.forward(self.transformer, static, shapes)
 
-        output = self.cache.run(key.graph, inputs, run, decision_key=key.decision)
+        output = self.cache.run(
+            key.graph, inputs, run, decision_key=key.decision, lockstep=spread is not None
+        )
         return None if output is None else output[:rows]
 
     def replay_part(
