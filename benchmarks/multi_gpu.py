@@ -21,15 +21,20 @@ Then `--concurrent` requests at once at the smallest size: images/s of each clus
 over several GPUs spreads them over its ranks, data parallel).
 
 Both replicas run at their best setting (torch.compile and CUDA graphs, `auto`); a replica over
-several GPUs replays its graphs for the requests that live on one rank and runs spread ones
-(sequence, CFG parallel) compiled without graphs. `--one-gpu-eager` adds a 1-GPU row without
-either; `--parallel-mode` forces where the multi-GPU replica's requests run.
+several GPUs replays its graphs for the requests that live on one rank, and for spread ones a
+graph its ranks captured together (the all-to-alls inside). `--one-gpu-eager` adds a 1-GPU row
+without either; `--parallel-mode` forces where the multi-GPU replica's requests run.
+
+`--profile DIR`: after each size's timed requests, the multi-GPU replica profiles one more
+(StartProfile / StopProfile: the server's trace and each rank's under DIR) and prints where
+each rank's steps go (benchmarks/rank_profile.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -37,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +51,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import bursts
 import diffusers_best
 import numpy as np
+import rank_profile
 import torch
 
 from omni_common.client import Client
 from omni_common.cluster import LocalCluster, loopback_plan
 from omni_common.errors import OmniError
+from omni_common.net.auth import cluster_metadata
+from omni_common.net.rpc import sync_channel
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
 PROMPT = "a watercolor lighthouse at dusk"
 NEGATIVE = "blurry, low quality"
@@ -84,6 +93,8 @@ def plan_for(args: argparse.Namespace, gpus: int, eager: bool) -> list[Any]:
             proc.environment["OMNISTAGE_GPUS"] = str(gpus)
         if gpus > 1:
             proc.environment["OMNISTAGE_PARALLEL_MODE"] = args.parallel_mode
+        if gpus > 1 and args.profile:
+            proc.environment["OMNISTAGE_PROFILE_DIR"] = str(args.profile / f"gpus-{gpus}")
         if eager:
             proc.environment["OMNISTAGE_COMPILE"] = "off"
             proc.environment["OMNISTAGE_CUDA_GRAPHS"] = "off"
@@ -128,6 +139,10 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
                     image = result.tensor if run == 0 else image
                     dit_ms = result.compute_ms.get("denoise", 0.0)
                 out[(size, cfg)] = (p50(walls), image)
+                if gpus > 1 and args.profile:
+                    profiled(
+                        cluster, gpus, functools.partial(client.generate_result, PROMPT, seed=0, **params)
+                    )
                 emit(
                     {
                         "dit": label,
@@ -146,6 +161,22 @@ def measure(args: argparse.Namespace, gpus: int, eager: bool, log_dir: Path) -> 
                 {"dit": label, "size": size, "concurrent": args.concurrent, "img_per_s": out[("burst", size)]}
             )
     return out
+
+
+def profiled(cluster: LocalCluster, gpus: int, request: Callable[[], object]) -> None:
+    """`request` with the DiT replica profiled; prints each rank's summary."""
+    if cluster.token_file is not None:  # StageControl is internal: it takes the cluster token
+        os.environ["OMNISTAGE_CLUSTER_TOKEN_FILE"] = str(cluster.token_file)
+    address = next(proc.health_address for proc in cluster.plan if proc.name == "dit-denoise")
+    with sync_channel(address, metadata=cluster_metadata()) as channel:
+        control = stage_pb2_grpc.StageControlStub(channel)
+        control.StartProfile(stage_pb2.StartProfileRequest(), timeout=60)
+        try:
+            request()
+        finally:
+            reply = control.StopProfile(stage_pb2.StopProfileRequest(), timeout=600)
+    for rank, trace in enumerate(rank_profile.rank_traces(Path(reply.path).parent, gpus)):
+        emit({"dit": f"{gpus} GPU", "profile_rank": rank, **rank_profile.summarize(trace)})
 
 
 def burst(coordinator: str, count: int, params: dict[str, Any]) -> float:
@@ -202,6 +233,11 @@ def main() -> None:
         "--one-gpu-eager", type=int, default=1, help="1: also the 1-GPU DiT without compile/graphs"
     )
     parser.add_argument("--logs", type=Path, help="keep the services' logs here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="profile one request a size on the multi-GPU replica, into this directory",
+    )
     parser.add_argument(
         "--parallel-mode", default="auto", help="the multi-GPU replica's --parallel-mode (auto: per request)"
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from omni_common.errors import OmniError
+from omni_common.errors import FailedPrecondition, OmniError
 from omni_common.models.base import (
     DenoiserOptions,
     GenerationRequest,
@@ -43,6 +43,7 @@ from omni_common.models.capabilities import (
 )
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.sequence_parallel import SequenceParallel
 from omni_common.runtime.shm_queue import ShmQueue
 from omni_common.runtime.worker import DTYPES, use_matmul_precision
@@ -102,6 +103,22 @@ class Release:
     """An unfinished state leaves (cancelled, expired, failed)."""
 
     sid: int
+
+
+@dataclass(frozen=True)
+class StartProfile:
+    """Record this rank's commands (profiler.StageProfiler, bounded by the stage's profile
+    settings) into `directory`/rank-N: `directory` is the replica's own profile session's,
+    made owner-only by the server process."""
+
+    directory: str
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    """End this rank's recording. The answer is the directory its trace goes to: a process of
+    the rank's own joins the segments there while the rank runs no command (profiler.py), so
+    a stop never holds the replica's steps."""
 
 
 @dataclass(frozen=True)
@@ -181,11 +198,13 @@ def rank_main(
         timeout=COLLECTIVE_TIMEOUT,
     )
     runner: StepRunner | None = None
+    profile = RankProfile(rank, device, config)
     try:
         runner, sp, weight_bytes = _load(config, role, device, len(devices))
         outbox.put(RankReply(rank, Ready(str(device), weight_bytes)))
-        _serve(rank, runner, sp, inbox, outbox, parent)
+        _serve(rank, runner, sp, (inbox, outbox), parent, profile)
     finally:
+        profile.close()
         if isinstance(runner, HoldsCudaGraphs):
             # Graphs holding captured NCCL calls hung the group's teardown on 2 H200s
             # (benchmarks/dit_parallel.py): they go first.
@@ -245,8 +264,14 @@ def _configure(
 
 
 def _serve(
-    rank: int, runner: StepRunner, sp: SequenceParallel, inbox: ShmQueue, outbox: ShmQueue, parent: int
+    rank: int,
+    runner: StepRunner,
+    sp: SequenceParallel,
+    queues: tuple[ShmQueue, ShmQueue],
+    parent: int,
+    profile: RankProfile,
 ) -> None:
+    inbox, outbox = queues
     states: dict[int, StepState] = {}
     while True:
         message = inbox.get(timeout=POLL_S)
@@ -257,8 +282,14 @@ def _serve(
         command, tensors = message
         if isinstance(command, Stop):
             return
+        value: object
+        out: dict[str, torch.Tensor] = {}
         try:
-            value, out = _run(command, tensors, runner, sp, states)
+            if isinstance(command, StartProfile | StopProfile):
+                value = profile.command(command)
+            else:
+                with profile.task(type(command).__name__):
+                    value, out = _run(command, tensors, runner, sp, states)
             reply = RankReply(rank, value)
         except OmniError as err:
             reply, out = RankReply(rank, code=err.code.name, error=err.message), {}
@@ -266,6 +297,58 @@ def _serve(
             log.exception("rank %d: %s failed", rank, type(command).__name__)
             reply, out = RankReply(rank, code="INTERNAL", error=type(err).__name__), {}
         outbox.put(reply, out, alive=lambda: os.getppid() == parent)
+
+
+class RankProfile:
+    """This rank's share of its replica's profile: a StageProfiler per session, recording the
+    commands the rank runs (its steps: forwards, collectives, host waits) into the server
+    session's directory, rank-N/."""
+
+    def __init__(self, rank: int, device: torch.device, config: StageConfig) -> None:
+        self.rank = rank
+        self.device = device
+        self.config = config
+        self.profiler: StageProfiler | None = None
+
+    def command(self, command: StartProfile | StopProfile) -> str:
+        if isinstance(command, StartProfile):
+            self.close()  # a session the server lost track of (it made a new directory)
+            self.profiler = StageProfiler(
+                f"{self.config.stage}-rank{self.rank}",
+                self.device,
+                command.directory,
+                max_seconds=self.config.profile_max_s,
+                max_bytes=self.config.profile_max_mb << 20,
+            )
+            return str(self.profiler.start(f"rank-{self.rank}"))
+        if self.profiler is None:
+            return ""
+        try:
+            self.profiler.stop()  # its trace is written by the session's merge process
+        except FailedPrecondition:  # dropped while recording: the rank's log says why
+            return ""
+        return str(self.profiler.root / f"rank-{self.rank}")
+
+    @contextlib.contextmanager
+    def task(self, name: str) -> Iterator[None]:
+        """A command while profiled: marked "rank NAME" in the trace (benchmarks/rank_profile.py
+        reads the Step marks), a segment ended after it (profiler.StageProfiler)."""
+        profiler = self.profiler
+        if profiler is None:
+            yield
+            return
+        profiler.before_task()
+        try:
+            with torch.profiler.record_function(f"rank {name}"):
+                yield
+        finally:
+            profiler.after_task()
+
+    def close(self) -> None:
+        """Drop a running session and wait for its merges (this thread started it)."""
+        if self.profiler is not None:
+            self.profiler.close()
+            self.profiler = None
 
 
 def _run(

@@ -38,10 +38,23 @@ def segment_files(segments: Path) -> list[Path]:
 
 
 def merge(segments: Path, out: Path) -> int:
-    """Write OUT from the segments under SEGMENTS; the number of events written."""
-    fd = os.open(out, FRESH, 0o600)
-    os.fchmod(fd, 0o600)  # whatever the umask
-    with os.fdopen(fd, "w") as sink:
+    """Write OUT from the segments under SEGMENTS; the number of events written. The events
+    go to a hidden file beside OUT, linked to OUT once whole: a trace found there is complete
+    (a rank's appears after its replica's StopProfile answered), and a name already taken
+    is never replaced."""
+    partial = out.with_name(f".{out.name}.partial")
+    fd = os.open(partial, FRESH, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        written = _stream_events(segments, out, os.fdopen(fd, "w"))
+        os.link(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return written
+
+
+def _stream_events(segments: Path, out: Path, sink: IO[str]) -> int:
+    with sink:
         written, base = 0, None
         named: set[str] = set()
         for path in segment_files(segments):

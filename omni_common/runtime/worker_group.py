@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -365,7 +366,7 @@ class GroupWorker(Worker):
             )
         self.on_lost: Callable[[str], None] | None = None  # set by the server: health, deregister
         super().__init__(replace(config, device="cpu", threads=1))
-        self.weight_bytes = self.model.group.weight_bytes  # type: ignore[attr-defined]
+        self.weight_bytes = self._group().weight_bytes
 
     @property
     def device_name(self) -> str:
@@ -405,6 +406,35 @@ class GroupWorker(Worker):
 
     async def load_weights(self, paths: Sequence[str]) -> WeightsLoaded:
         raise Unimplemented(f"LoadWeights is not available on a {self.stage} replica over several devices")
+
+    async def start_profile(self, name: str) -> Path:
+        """The server process's profile (its scheduling and its waits for the ranks) and each
+        rank's (its forwards and collectives), into the session's directory and its rank-N/
+        (rank.RankProfile). The commands go from the compute thread, the queues' one writer."""
+        path = await super().start_profile(name)
+        try:
+            await self.compute(self._group().call, commands.StartProfile(str(path)))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.compute(self._group().call, commands.StopProfile())
+            with contextlib.suppress(Exception):
+                await super().stop_profile()
+            raise
+        return path
+
+    async def stop_profile(self) -> tuple[Path, float]:
+        """The server's trace, once written; the ranks' follow in rank-N/ beside it, each
+        written by a process of its rank's own while that rank runs no step."""
+        try:
+            await self.compute(self._group().call, commands.StopProfile())
+        finally:
+            stopped = await super().stop_profile()
+        return stopped
+
+    def _group(self) -> WorkerGroup:
+        model = self.model
+        assert isinstance(model, GroupModel)
+        return model.group
 
     def close(self) -> None:
         super().close()

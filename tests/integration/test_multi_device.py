@@ -8,7 +8,12 @@ fp32: at most ~1e-6 on the image (printed by the test).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from threading import Thread
 
@@ -30,13 +35,23 @@ IMAGE_TOLERANCE = 1e-5  # the float image in [0, 1]; measured worst ~1e-6
 
 
 @pytest.fixture(scope="module")
-def spread(tiny_model: Path) -> Iterator[InProcessCluster]:
+def profile_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles") / "root"  # made by the replica
+
+
+@pytest.fixture(scope="module")
+def spread(tiny_model: Path, profile_root: Path) -> Iterator[InProcessCluster]:
     """The same cluster with its DiT replica over two CPU worker processes. Its server process
     sets torch's threads to 1 (it computes nothing): restored after, or later clusters in this
     test process would add in another order than their references (4e-7 apart)."""
     threads = torch.get_num_threads()
     # Every request over both workers: --parallel-mode auto would give the tiny images one each.
-    options = {"devices": ("cpu", "cpu"), "threads": 1, "parallel_mode": "sequence-parallel"}
+    options = {
+        "devices": ("cpu", "cpu"),
+        "threads": 1,
+        "parallel_mode": "sequence-parallel",
+        "profile_dir": str(profile_root),
+    }
     running = InProcessCluster(tiny_model, stage_options={"dit-denoise": options})
     running.start()
     yield running
@@ -117,3 +132,49 @@ def test_what_does_not_spread_yet_is_refused_cleanly(spread: InProcessCluster, t
             assert caught.value.code().name == code, caught.value.details()
     with Client(spread.coordinator) as client:
         assert client.generate_result("still serving", **SMALL).tensor is not None
+
+
+def written(directory: Path, timeout_s: float = 60.0) -> Callable[[], list[Path]]:
+    """The traces under `directory`, waited for: a rank's merge process writes its trace after
+    StopProfile has answered."""
+
+    def traces() -> list[Path]:
+        deadline = time.monotonic() + timeout_s
+        while not (found := sorted(directory.glob("*.json"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
+    return traces
+
+
+def test_a_profile_records_the_server_and_every_rank(spread: InProcessCluster, profile_root: Path) -> None:
+    """StartProfile on a replica over two workers: the server's trace (its scheduling, its
+    waits for the ranks) and one per rank in rank-N/ beside it, each with that rank's forwards
+    and the collectives of sequence parallel, owner-only."""
+    with sync_channel(spread.addresses["dit-denoise"]) as channel:
+        control = stage_pb2_grpc.StageControlStub(channel)
+        control.StartProfile(stage_pb2.StartProfileRequest(name="ranks"), timeout=60)
+        with Client(spread.coordinator) as client:
+            assert client.generate_result("a red cat", **SMALL).tensor is not None
+        reply = control.StopProfile(stage_pb2.StopProfileRequest(), timeout=120)
+    trace = Path(reply.path)
+    assert trace.is_file() and trace.parent == profile_root / "ranks"
+    for rank in (0, 1):
+        found = written(trace.parent / f"rank-{rank}")()
+        assert len(found) == 1, f"rank {rank}: {found}"
+        assert stat.S_IMODE(found[0].stat().st_mode) == 0o600
+        names = {event.get("name", "") for event in json.loads(found[0].read_text())["traceEvents"]}
+        assert any("alltoall" in name.replace("_", "") for name in names), f"rank {rank}: no all-to-all"
+        assert any(name.startswith("aten::scaled_dot_product_attention") for name in names)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "rank_profile.py"
+    printed = subprocess.run(
+        [sys.executable, str(script), str(trace.parent), "--ranks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    summaries = [json.loads(line) for line in printed.splitlines()]
+    assert [s["rank"] for s in summaries] == [0, 1]
+    for summary in summaries:  # every step of the request, on each rank
+        assert summary["steps"] == SMALL["steps"] and summary["step_ms"] > 0, summary
