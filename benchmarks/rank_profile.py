@@ -53,7 +53,9 @@ def summarize(trace: Path) -> dict[str, Any]:
     """One rank's steps, by the definitions in the module's docstring (milliseconds)."""
     events = load_events(trace)
     steps = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("name") == STEP
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("name") == STEP and e.get("cat") == "user_annotation"  # the host's, not the GPU's
     )
     kernels = [e for e in events if e.get("cat") == "kernel"]
     by_class: dict[str, list[float]] = defaultdict(list)
