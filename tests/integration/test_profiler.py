@@ -96,26 +96,18 @@ def test_a_profile_root_of_another_user_is_refused(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_in_the_profile_command_stops_the_replicas_profile(cluster: InProcessCluster) -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "omnistage_cli",
-        "profile",
-        cluster.addresses["dit-denoise"],
-        "--seconds",
-        "600",
-    ]
+    # `omnistage profile ADDRESS --seconds 600`, with Ctrl-C raising as in a terminal: a shell
+    # that started these tests in the background had SIGINT ignored, which the command would
+    # inherit (Python then raises nothing). Set in the child's Python, not by a preexec_fn:
+    # that forks this process, whose gRPC threads then log into the child's stderr.
+    command = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv = ['omnistage', *sys.argv[1:]]; runpy.run_module('omnistage_cli', run_name='__main__')"
+    )
+    argv = [sys.executable, "-c", command, "profile", cluster.addresses["dit-denoise"], "--seconds", "600"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
-        argv,
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # A Ctrl-C as a terminal sends it: a shell that started these tests in the background
-        # had SIGINT ignored, which the command would inherit (Python then raises nothing).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert process.stderr is not None
     line = process.stderr.readline()
