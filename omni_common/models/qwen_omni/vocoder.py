@@ -4,11 +4,15 @@ in from token2wav, batched across requests whose windows have the same length.
 BigVGAN is a stack of convolutions: a sample depends on the mel frames around it only (29
 frames each side; the outer ones barely), so a window of frames with CONTEXT_FRAMES of context
 on each side, trimmed to its middle, gives the middle's samples as the whole mel gives them
-(within ~1 ulp; docs/families.md has the measurement). Each mel chunk is vocoded as it comes:
-its left context is the frames before it, its right context the chunk's provisional
-"lookahead" frames (token2wav's window beyond the chunk), or nothing once the stream ended. A
-request whose mel comes in one piece (one-shot mode) is vocoded in one call over all of it:
-transformers' own computation, so its samples are `generate`'s.
+(within ~1 ulp; docs/families.md has the measurement). Each mel chunk is vocoded in a window
+of its own, whenever it arrives: its left context is the frames before it, its right context
+the provisional "lookahead" frames that came with it (token2wav's window beyond the chunk). So
+a reply's samples depend on its chunks only, never on how many had arrived when the vocoder
+stepped: a reply whose token2wav resumed elsewhere, or whose chunks queued behind other work,
+gets the samples of an uninterrupted one. Chunks sent without a lookahead wait for the next
+chunk that has one, or for the end, and share its window. A request whose mel comes in one
+piece (one-shot mode) is vocoded in one call over all of it: transformers' own computation, so
+its samples are `generate`'s.
 
 Chunks (take_partial): "audio" [n] float32 samples, meta "sample_rate", "chunk".
 """
@@ -69,7 +73,9 @@ def bigvgan_samples(bigvgan: Any, mel: torch.Tensor, floor: torch.Tensor) -> tor
 @dataclass(kw_only=True, eq=False)
 class VocoderState(StepState):
     mel: torch.Tensor  # [mel_dim, frames received] float32
-    lookahead: torch.Tensor | None = None  # provisional frames after them (right context only)
+    # The chunks received and not yet vocoded, in order: (the frame after the chunk, the
+    # provisional frames that came after it, right context only, or None).
+    unmade: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     ended: bool = False
     frames_done: int = 0  # frames whose samples were made
     pending: list[torch.Tensor] = field(default_factory=list)
@@ -120,25 +126,29 @@ class Vocoder:
                 raise InvalidArgument(f"a mel chunk must be float [{self.mel_dim}, frames]")
             if int(chunk.meta.get("frame", "-1")) != state.mel.shape[1]:
                 raise InvalidArgument("mel chunks must come in order, each once")
-            state.mel = torch.cat([state.mel, mel.to(self.device, torch.float32)], dim=1)
             lookahead = chunk.tensors.get("lookahead")
             if lookahead is not None and (lookahead.dim() != 2 or lookahead.shape[0] != self.mel_dim):
                 raise InvalidArgument(f"a mel chunk's lookahead must be float [{self.mel_dim}, frames]")
-            state.lookahead = None if lookahead is None else lookahead.to(self.device, torch.float32)
+            if mel.shape[1]:
+                state.mel = torch.cat([state.mel, mel.to(self.device, torch.float32)], dim=1)
+                right = None if lookahead is None else lookahead[:, :CONTEXT_FRAMES].to(state.mel)
+                state.unmade.append((state.mel.shape[1], right))
         state.ended = state.ended or end
 
     def _span(self, state: VocoderState) -> tuple[int, int, int] | None:
-        """(window start, first frame made, end of frames made) of the next call; its window
-        ends at the frames made plus the lookahead's first CONTEXT_FRAMES (none once ended)."""
-        frames = state.mel.shape[1]
-        if frames <= state.frames_done or (not state.ended and state.lookahead is None):
-            return None
-        return max(0, state.frames_done - CONTEXT_FRAMES), state.frames_done, frames
+        """(window start, first frame made, end of frames made) of the next call: the first
+        unmade chunk, with the chunks after it up to the first one that came with a lookahead
+        (or, once the stream ended, up to the last one)."""
+        upto = next((end for end, right in state.unmade if right is not None), None)
+        if upto is None and state.ended and state.mel.shape[1] > state.frames_done:
+            upto = state.mel.shape[1]
+        return None if upto is None else (max(0, state.frames_done - CONTEXT_FRAMES), state.frames_done, upto)
 
     def _window(self, state: VocoderState, span: tuple[int, int, int]) -> torch.Tensor:
+        """The span's frames, then the right context that came with its last chunk."""
         start, _, upto = span
-        right = state.lookahead if state.lookahead is not None and not state.ended else state.mel[:, :0]
-        return torch.cat([state.mel[:, start:upto], right[:, :CONTEXT_FRAMES]], dim=1)
+        right = [right for end, right in state.unmade if end == upto and right is not None]
+        return torch.cat([state.mel[:, start:upto], *right], dim=1)
 
     def ready(self, state: StepState) -> bool:
         assert isinstance(state, VocoderState)
@@ -163,7 +173,7 @@ class Vocoder:
         for row, (state, (start, first, upto)) in enumerate(live):
             state.pending.append(audio[row, (first - start) * self.hop : (upto - start) * self.hop].clone())
             state.frames_done = upto
-            state.lookahead = None
+            state.unmade = [chunk for chunk in state.unmade if chunk[0] > upto]
 
     def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
         """[batch, samples] of a batch of mel windows [batch, mel_dim, frames]: replayed as a

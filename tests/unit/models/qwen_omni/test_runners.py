@@ -153,6 +153,36 @@ def test_streamed_audio_comes_in_windows_close_to_the_one_shot(roles: Roles) -> 
     assert difference < 1e-5
 
 
+def test_the_vocoders_samples_do_not_depend_on_when_its_chunks_arrive(roles: Roles) -> None:
+    """Each mel chunk is vocoded in its own window, with the right context that came with it: a
+    reply fed all at once (its chunks queued while the vocoder was busy) and one stepped after
+    every chunk (a vocoder keeping up) get the same samples, bitwise, as a failover that changes
+    the chunks' pace needs."""
+    gen = request(seed=5, stream_audio=1)
+    (rows,) = run_role(roles.thinker, [gen], [[]])
+    (codes,) = run_role(roles.talker, [gen], [rows])
+    (mels,) = run_role(roles.token2wav, [gen], [codes])
+    assert len(mels) >= 3
+    (queued,) = run_role(roles.vocoder, [gen], [mels])
+    vocoder, kept_up = roles.vocoder, []
+
+    def vocode_what_is_ready(state: StepState) -> None:
+        while vocoder.ready(state) and not vocoder.is_done(state):
+            vocoder.step([state])
+            kept_up.extend([] if (partial := vocoder.take_partial(state)) is None else [partial])
+
+    state = vocoder.prepare(gen, mels[0])
+    for chunk in mels[1:]:
+        vocode_what_is_ready(state)
+        vocoder.feed(state, chunk, False)
+    vocode_what_is_ready(state)
+    vocoder.feed(state, StageState({}), True)
+    vocode_what_is_ready(state)
+    vocoder.finish(state)
+    samples = [torch.cat([c.tensors["audio"] for c in chunks]) for chunks in (kept_up, queued)]
+    assert len(kept_up) == len(queued) == len(mels) and torch.equal(*samples)
+
+
 def test_requests_batched_in_one_step_get_their_lone_results(roles: Roles) -> None:
     requests = [request(seed=s, prompt=p, stream_audio=1) for s, p in [(1, PROMPT), (2, "Hi!"), (3, "Sing.")]]
     together = speak(roles, requests)
