@@ -4,8 +4,11 @@ beside it, rank.RankProfile).
 
     python benchmarks/rank_profile.py PROFILE_DIR     (the directory StopProfile's trace is in)
 
-A profiled rank marks each command it runs ("rank Step", "rank Prepare", ...). For its Step
-commands, one JSON line per rank:
+A profiled rank marks each command it runs ("rank Step", "rank Prepare", ...). On a GPU a
+Step's mark is its launch only: the rank answers it later, after launching the next one, and
+marks that wait ("rank Answer"); a step there runs from one Answer's end to the next's (an idle
+gap between requests makes one long step, which the medians pass over). On the CPU a step is
+its Step mark. One JSON line per rank:
 - `steps`, and the median wall time of one (`step_ms`);
 - the GPU's kernel time per step by class (matmul, attention, triton, other; `nccl`: the
   all-to-alls and gathers, which include the wait for the slower peer);
@@ -13,7 +16,8 @@ commands, one JSON line per rank:
   once), and `idle_ms` = step - busy: the device waiting on this rank's host (launches, the
   step's arithmetic, the sync that ends a step);
 - `between_ms`: the median time from one Step's end to the next one's start: the rank waiting
-  for its server (the answer, the scheduler, the next command, any Read in between).
+  for its server (the answer, the scheduler, the next command, any Read in between); none on
+  a GPU, where the next Step is launched before the last one ends (its wait is `idle_ms`).
 On the CPU (gloo ranks) there are no kernels: the step and between times remain.
 """
 
@@ -31,6 +35,7 @@ from typing import Any
 from dit_profile import kernel_class
 
 STEP = "rank Step"  # RankProfile's mark of a Step command
+ANSWER = "rank Answer"  # its mark of the wait for a step's end, before answering it (GPU)
 
 
 def load_events(trace: Path) -> list[dict[str, Any]]:
@@ -52,11 +57,16 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 def summarize(trace: Path) -> dict[str, Any]:
     """One rank's steps, by the definitions in the module's docstring (milliseconds)."""
     events = load_events(trace)
-    steps = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        for e in events
-        if e.get("name") == STEP and e.get("cat") == "user_annotation"  # the host's, not the GPU's
-    )
+
+    def marks(name: str) -> list[tuple[float, float]]:
+        return sorted(
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in events
+            if e.get("name") == name and e.get("cat") == "user_annotation"  # the host's, not the GPU's
+        )
+
+    answered = [end for _, end in marks(ANSWER)]
+    steps = list(itertools.pairwise(answered)) if answered else marks(STEP)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     by_class: dict[str, list[float]] = defaultdict(list)
     busy, idle = [], []
@@ -74,7 +84,7 @@ def summarize(trace: Path) -> dict[str, Any]:
         covered = union_us([(lo, hi) for lo, hi, _ in inside])
         busy.append(covered)
         idle.append(end - start - covered)
-    between = [b[0] - a[1] for a, b in itertools.pairwise(steps)]
+    between = [] if answered else [b[0] - a[1] for a, b in itertools.pairwise(steps)]
 
     def ms(values: list[float]) -> float | None:
         return round(statistics.median(values) / 1e3, 2) if values else None

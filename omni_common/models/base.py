@@ -192,6 +192,19 @@ class BatchRunner(Protocol):
         ...
 
 
+class LateFlag:
+    """A step's NaN flag that comes after `step` returned: a replica over several devices sends
+    the step to its device workers and reads their answers later (worker_group.GroupRunner).
+    `read()` waits for it; the step scheduler reads it on the compute thread, once it has
+    launched the next step, so the devices never wait for the server between steps."""
+
+    def __init__(self, read: Callable[[], bool]) -> None:
+        self.read = read
+
+    def __bool__(self) -> bool:  # a truth test waits for the flag, never mistakes it for True
+        return self.read()
+
+
 class StepRunner(Protocol):
     """Step-wise work, so a scheduler can interleave requests between steps: a denoising
     loop (one transformer forward + scheduler step) or token generation (one token). What a
@@ -216,10 +229,11 @@ class StepRunner(Protocol):
 
     def is_done(self, state: StepState) -> bool: ...
 
-    def is_finite(self, state: StepState) -> bool | torch.Tensor:
+    def is_finite(self, state: StepState) -> bool | torch.Tensor | LateFlag:
         """False when the state holds NaN or Inf (the request must fail alone); may be a 0-d
         bool tensor left on the device, which the scheduler reads once the step has ended
-        (a host read here would wait for the step)."""
+        (a host read here would wait for the step), or a LateFlag, for a step that runs
+        elsewhere and answers later."""
         ...
 
     def preview(self, state: StepState) -> np.ndarray | None:

@@ -30,6 +30,7 @@ from omni_common.errors import FailedPrecondition, OmniError
 from omni_common.models.base import (
     DenoiserOptions,
     GenerationRequest,
+    LateFlag,
     StageContext,
     StageState,
     StepRunner,
@@ -46,11 +47,13 @@ from omni_common.runtime.config import StageConfig
 from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.sequence_parallel import SequenceParallel
 from omni_common.runtime.shm_queue import ShmQueue
+from omni_common.runtime.step_jobs import flags_on_host
 from omni_common.runtime.worker import DTYPES, use_matmul_precision
 
 log = logging.getLogger("omnistage.rank")
 
 POLL_S = 1.0  # how often an idle rank checks that its server process is still there
+HOLD_POLL_S = 0.0005  # while its last step runs: how often a rank checks whether it has ended
 # How long a collective may wait for a peer; a peer gone for longer fails the step (the server
 # notices a dead worker within a second and takes the replica out anyway).
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
@@ -154,6 +157,30 @@ class Stepped:
     sids: tuple[int, ...]
     steps: tuple[int, ...]
     finite: tuple[bool, ...]
+
+
+@dataclass
+class StepInFlight:
+    """A Step launched on this rank's device and not answered yet. On a GPU the rank answers it
+    once it has ended, and launches the next Step first if one came meanwhile: the device runs
+    step k+1 right after step k, with no round trip to the server between them."""
+
+    sids: tuple[int, ...]
+    steps: tuple[int, ...]
+    flags: list[bool | torch.Tensor | LateFlag]  # on the host (pinned copies: valid once ended)
+    ended: torch.cuda.Event | None = None  # recorded after the flags' copies (CUDA)
+
+    def done(self) -> bool:
+        return self.ended is None or self.ended.query()
+
+    def answer(self, rank: int) -> RankReply:
+        try:
+            if self.ended is not None:
+                self.ended.synchronize()
+            return RankReply(rank, Stepped(self.sids, self.steps, tuple(bool(flag) for flag in self.flags)))
+        except Exception as err:  # the device failed the step (an asynchronous CUDA error)
+            log.exception("rank %d: a step failed on the device", rank)
+            return RankReply(rank, code="INTERNAL", error=type(err).__name__)
 
 
 @dataclass(frozen=True)
@@ -273,15 +300,33 @@ def _serve(
 ) -> None:
     inbox, outbox = queues
     states: dict[int, StepState] = {}
+    held: StepInFlight | None = None  # the last Step, launched and not answered yet
+
+    def send(reply: RankReply, out: dict[str, torch.Tensor] | None = None) -> None:
+        outbox.put(reply, out, alive=lambda: os.getppid() == parent)
+
+    def answer(step: StepInFlight) -> None:
+        # On a GPU the wait for the step's end is a task of its own in the profile: its kernels
+        # run after the Step's launch.
+        with profile.task("Answer") if step.ended is not None else contextlib.nullcontext():
+            reply = step.answer(rank)
+        send(reply)
+
     while True:
-        message = inbox.get(timeout=POLL_S)
+        message = inbox.get(timeout=HOLD_POLL_S if held is not None else POLL_S)
         if message is None:
-            if os.getppid() != parent:  # the server process is gone: so is this replica
+            if held is not None and held.done():
+                answer(held)
+                held = None
+            elif held is None and os.getppid() != parent:  # the server process is gone: so is this replica
                 return
             continue
         command, tensors = message
         if isinstance(command, Stop):
             return
+        if held is not None and not isinstance(command, Step):  # answers go in the commands' order
+            answer(held)
+            held = None
         value: object
         out: dict[str, torch.Tensor] = {}
         try:
@@ -289,14 +334,22 @@ def _serve(
                 value = profile.command(command)
             else:
                 with profile.task(type(command).__name__):
-                    value, out = _run(command, tensors, runner, sp, states)
+                    value, out = _run(command, tensors, runner, sp, states, profile.device)
             reply = RankReply(rank, value)
         except OmniError as err:
             reply, out = RankReply(rank, code=err.code.name, error=err.message), {}
         except Exception as err:  # a fault here: the server fails the request, the rank goes on
             log.exception("rank %d: %s failed", rank, type(command).__name__)
             reply, out = RankReply(rank, code="INTERNAL", error=type(err).__name__), {}
-        outbox.put(reply, out, alive=lambda: os.getppid() == parent)
+        if held is not None:  # this Step is launched: now wait for the one before it
+            answer(held)
+            held = None
+        if not isinstance(reply.value, StepInFlight):
+            send(reply, out)
+        elif reply.value.done():
+            answer(reply.value)
+        else:
+            held = reply.value
 
 
 class RankProfile:
@@ -357,8 +410,9 @@ def _run(
     runner: StepRunner,
     sp: SequenceParallel,
     states: dict[int, StepState],
+    device: torch.device,
 ) -> tuple[object, dict[str, torch.Tensor]]:
-    """One command on this rank: (the reply's value, its tensors)."""
+    """One command on this rank: (the reply's value, its tensors); a Step's is StepInFlight."""
     if isinstance(command, Prepare):
         state = runner.prepare(command.request, StageState(tensors, dict(command.meta)))
         states[command.sid] = state
@@ -374,11 +428,12 @@ def _run(
                 runner.step(batch)
         elif batch:
             runner.step(batch)  # this rank's own states: the one-device path
-        return Stepped(
-            sids,
-            tuple(state.step_index for state in batch),
-            tuple(bool(runner.is_finite(state)) for state in batch),
-        ), {}
+        flags = flags_on_host([runner.is_finite(state) for state in batch])
+        stepped = StepInFlight(sids, tuple(state.step_index for state in batch), flags)
+        if device.type == "cuda":
+            stepped.ended = torch.cuda.Event()
+            stepped.ended.record()
+        return stepped, {}
     if isinstance(command, Read):
         state = states[command.sid]
         if command.what == "preview":

@@ -14,7 +14,7 @@ import torch
 
 from omni_common.errors import OmniError
 from omni_common.imaging import to_png
-from omni_common.models.base import StageState, StepRunner, StepState
+from omni_common.models.base import LateFlag, StageState, StepRunner, StepState
 from omni_common.models.capabilities import StreamingRunner
 from omni_common.net import tracing
 from omni_common.runtime.calls import Progress, StageCall
@@ -52,7 +52,7 @@ class Launched:
     jobs: list[Job]
     done: list[int]
     finished: list[bool]  # the step was the job's last (runner.is_done after it)
-    finite: list[bool | torch.Tensor]
+    finite: list[bool | torch.Tensor | LateFlag]
     checkpoints: list[StageState | None]
     previews: list[bool]  # a preview is due: the step completes before the next launch
     started_at: float  # time.perf_counter() at launch
@@ -63,6 +63,16 @@ class Launched:
     def wait(self) -> bool:
         """Complete it before launching the next: a preview reads the state."""
         return any(self.previews)
+
+    @property
+    def answers_late(self) -> bool:
+        """Its NaN flags come after the step returned (LateFlag): the next step may be launched
+        before they are read, on any device."""
+        return any(isinstance(flag, LateFlag) for flag in self.finite)
+
+    def read_late_flags(self) -> None:
+        """The LateFlags read (on the compute thread: they wait for their answers)."""
+        self.finite = [flag.read() if isinstance(flag, LateFlag) else flag for flag in self.finite]
 
 
 def advance(runner: StepRunner, batch: list[Job], streaming: StreamingRunner | None, timed: bool) -> Launched:
@@ -140,12 +150,15 @@ def runs_of(sizes: list[int]) -> str:
     return ", ".join(f"{size}x{count}" if count > 1 else str(size) for size, count in runs)
 
 
-def flags_on_host(flags: list[bool | torch.Tensor]) -> list[bool | torch.Tensor]:
+def flags_on_host(flags: list[bool | torch.Tensor | LateFlag]) -> list[bool | torch.Tensor | LateFlag]:
     """NaN flags as host values; flags on a GPU are copied into pinned memory without waiting
     (valid once the step's end event, recorded after the copy, has passed): reading a device
-    value directly would wait for every step queued behind it. Flags on the host become bools."""
+    value directly would wait for every step queued behind it. Flags on the host become bools;
+    LateFlags stay (Launched.read_late_flags)."""
     on_device = [i for i, flag in enumerate(flags) if isinstance(flag, torch.Tensor) and flag.is_cuda]
-    out: list[bool | torch.Tensor] = [flag if i in on_device else bool(flag) for i, flag in enumerate(flags)]
+    out: list[bool | torch.Tensor | LateFlag] = [
+        flag if i in on_device or isinstance(flag, LateFlag) else bool(flag) for i, flag in enumerate(flags)
+    ]
     if on_device:
         device = torch.stack([torch.as_tensor(flags[i]).reshape(()) for i in on_device])
         host = torch.empty(device.shape, dtype=torch.bool, pin_memory=True)

@@ -23,7 +23,10 @@ syncs the device between steps except a requested preview (it reads the latents:
 completes before the next is launched). Checkpoints are device copies taken at launch.
 Requests that finish at step k are known on the host at launch (runner.is_done), so they
 are never stepped again; one whose step k made NaN may be stepped once more, then fails alone.
-Streaming runners read their tokens every step and are never overlapped.
+Streaming runners read their tokens every step and are never overlapped. A replica over
+several devices overlaps the same way whatever its server's device: its runner sends each step
+to the device workers and answers with LateFlags, read after the next step was sent, so the
+workers find step k+1 waiting when step k ends.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class StepScheduler:
         self._admitting = 0  # requests whose state is being prepared, about to join
         self._last_end: torch.cuda.Event | None = None  # the previous step's end (idle time)
         self._last_jobs: set[int] = set()  # the previous step's jobs (ids)
+        self._last_reported_at = 0.0  # time.perf_counter() when the previous step was reported
         self._idle_ok = True  # the runner's idle work has not failed
         self._count_idle_work()
         if self.totals.idle_work_left:
@@ -220,7 +224,7 @@ class StepScheduler:
             if in_flight is not None:
                 await self._complete(in_flight)
             in_flight = launched
-            if launched is not None and (launched.wait or not self.overlap):
+            if launched is not None and (launched.wait or not (self.overlap or launched.answers_late)):
                 await self._complete(launched)
                 in_flight = None
             if in_flight is not None or batch:
@@ -327,8 +331,10 @@ class StepScheduler:
         try:
             if launched.end is not None:
                 await asyncio.to_thread(launched.end.synchronize)
+            if launched.answers_late:
+                await self.compute(launched.read_late_flags)
             self.step_ms = self._account(launched)
-        except Exception:  # the device failed the step (an asynchronous CUDA error)
+        except Exception:  # the device failed the step (an asynchronous CUDA error, a rank's error)
             for job in launched.jobs:
                 if job in self.jobs:
                     self._fail(job)
@@ -357,7 +363,11 @@ class StepScheduler:
         totals = self.totals
         totals.steps += 1
         if launched.start is None or launched.end is None:
-            return (time.perf_counter() - launched.started_at) * 1e3
+            # Since its launch, or since the step before it was reported where it was launched
+            # before that (answers_late): its share of the time, not the two steps in flight.
+            now, since = time.perf_counter(), max(launched.started_at, self._last_reported_at)
+            self._last_reported_at = now
+            return (now - since) * 1e3
         device_ms = launched.start.elapsed_time(launched.end)
         totals.device_s += device_ms / 1e3
         # Idle time counts between two steps of one running request: the gap before a new

@@ -17,6 +17,7 @@ NOT_SERVING, drains (deregistered) and exits with an error for its supervisor to
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -37,7 +38,14 @@ import numpy as np
 import torch
 
 from omni_common.errors import FailedPrecondition, OmniError, Unavailable, Unimplemented
-from omni_common.models.base import GenerationRequest, StageContext, StageModel, StageState, StepState
+from omni_common.models.base import (
+    GenerationRequest,
+    LateFlag,
+    StageContext,
+    StageModel,
+    StageState,
+    StepState,
+)
 from omni_common.models.lora import LoraLayers
 from omni_common.runtime import rank as commands
 from omni_common.runtime.config import StageConfig
@@ -66,6 +74,16 @@ class Answer:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass(eq=False)
+class Sent:
+    """A command sent to `ranks` whose answers are read later (WorkerGroup.answers): each rank
+    answers its commands in the order they came, so reading a later command's answers reads the
+    earlier ones' first and keeps them here for their own readers."""
+
+    ranks: tuple[int, ...]
+    answers: dict[int, Answer] = field(default_factory=dict)
+
+
 class WorkerGroup:
     """The worker processes of one replica, one per device, and the queues to them."""
 
@@ -79,6 +97,7 @@ class WorkerGroup:
         self.inboxes = [ShmQueue(context, TO_RANK_BYTES, config.shm_dir) for _ in self.devices]
         self.outboxes = [ShmQueue(context, FROM_RANK_BYTES, config.shm_dir) for _ in self.devices]
         self.processes: list[BaseProcess] = []
+        self._unread: list[collections.deque[Sent]] = [collections.deque() for _ in self.devices]
         for rank in range(len(self.devices)):
             process = context.Process(
                 target=commands.rank_main,
@@ -148,17 +167,45 @@ class WorkerGroup:
     ) -> list[Answer]:
         """Send `command` to `ranks` (all by default) and wait for their answers; raises the
         error a rank answered with, UNAVAILABLE once the group is lost."""
-        chosen = list(range(len(self.devices)) if ranks is None else ranks)
+        return self.answers(self.send(command, tensors, ranks))
+
+    def send(
+        self,
+        command: object,
+        tensors: dict[str, torch.Tensor] | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> Sent:
+        """Send `command` to `ranks` (all by default) without waiting for the answers."""
+        sent = Sent(tuple(range(len(self.devices)) if ranks is None else ranks))
         if self.lost:
             raise Unavailable(f"this replica lost a device worker ({self.lost}); retry on another replica")
-        for rank in chosen:
+        for rank in sent.ranks:
             try:
                 self.inboxes[rank].put(command, tensors, alive=self._alive)
             except BrokenPipeError:
-                break  # _answers says why
-        return self._answers(chosen, None)
+                self._lose(self.lost or f"the worker process on {self.devices[rank]} is gone")
+                raise Unavailable(
+                    f"this replica lost a device worker ({self.lost}); retry on another replica"
+                ) from None
+            self._unread[rank].append(sent)
+        return sent
 
-    def _answers(self, ranks: Sequence[int], timeout: float | None) -> list[Answer]:
+    def answers(self, sent: Sent) -> list[Answer]:
+        """The answers to `sent`, waited for (and those of the commands sent before it, kept for
+        theirs); raises the error a rank answered with, UNAVAILABLE once the group is lost."""
+        for rank in sent.ranks:
+            while rank not in sent.answers:
+                oldest = self._unread[rank][0]
+                (oldest.answers[rank],) = self._answers([rank], None, check=False)
+                self._unread[rank].popleft()
+        answers = [sent.answers[rank] for rank in sent.ranks]
+        for answer in answers:
+            if answer.reply.code:
+                raise _error(answer.reply)
+        return answers
+
+    def _answers(self, ranks: Sequence[int], timeout: float | None, check: bool = True) -> list[Answer]:
+        """The next answer of each of `ranks`; raises the error one answered with (`check`)."""
         answers: list[Answer] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         for rank in ranks:
@@ -179,7 +226,7 @@ class WorkerGroup:
                         f"the worker process on {self.devices[rank]} did not start in {timeout:.0f} s"
                     )
         for answer in answers:
-            if answer.reply.code:
+            if check and answer.reply.code:
                 raise _error(answer.reply)
         return answers
 
@@ -219,7 +266,7 @@ class GroupState(StepState):
     key: Hashable
     cost: int
     ranks: tuple[int, ...]
-    finite: bool = True
+    stepped: Sent | None = None  # its last Step, whose answers may not be read yet
 
     @property
     def collective(self) -> bool:
@@ -283,25 +330,36 @@ class GroupRunner:
 
     def step(self, states: Sequence[StepState]) -> None:
         """One Step to every rank holding one of the states (they share a batch key, so all are
-        collective or none is); each state takes its step index from a rank that holds it."""
+        collective or none is), sent and not waited for: each state's step index moves on by
+        one here, and its ranks' answers (the index they reached, the NaN flag) are read later
+        (`is_finite`), or by the next call that reads answers, which reads the earlier first."""
         batch = [_own(state) for state in states]
         collective = any(state.collective for state in batch)
         ranks = sorted({rank for state in batch for rank in state.ranks})
-        command = commands.Step(tuple(state.sid for state in batch), collective)
-        stepped: dict[int, tuple[int, bool]] = {}
-        for answer in self.group.call(command, ranks=ranks):
-            value = answer.reply.value
-            assert isinstance(value, commands.Stepped)
-            for sid, index, finite in zip(value.sids, value.steps, value.finite, strict=True):
-                stepped.setdefault(sid, (index, finite))
+        sent = self.group.send(commands.Step(tuple(state.sid for state in batch), collective), ranks=ranks)
         for state in batch:
-            state.step_index, state.finite = stepped[state.sid]
+            state.step_index += 1
+            state.stepped = sent
 
     def is_done(self, state: StepState) -> bool:
         return state.step_index >= state.total_steps
 
-    def is_finite(self, state: StepState) -> bool:
-        return _own(state).finite
+    def is_finite(self, state: StepState) -> bool | LateFlag:
+        """The NaN flag of the state's last step, read from its ranks' answer once it comes."""
+        own = _own(state)
+        sent, sid, step = own.stepped, own.sid, own.step_index  # as they are now, not at the read
+        return True if sent is None else LateFlag(lambda: self._finite(sent, sid, step))
+
+    def _finite(self, sent: Sent, sid: int, step: int) -> bool:
+        for answer in self.group.answers(sent):
+            value = answer.reply.value
+            assert isinstance(value, commands.Stepped)
+            if sid in value.sids:
+                at = value.sids.index(sid)
+                if value.steps[at] != step:
+                    raise OmniError(f"a device worker stepped state {sid} to {value.steps[at]}, not {step}")
+                return value.finite[at]
+        raise OmniError(f"no device worker holds request state {sid}")
 
     def preview(self, state: StepState) -> np.ndarray | None:
         own = _own(state)

@@ -9,23 +9,29 @@ The tiny fixture's 3 heads split 2 + 1 over the two ranks, so uneven head shares
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from omni_common.errors import InvalidArgument, Unavailable, Unimplemented
-from omni_common.models.base import GenerationRequest, StageState
+from omni_common.errors import InvalidArgument, OmniError, Unavailable, Unimplemented
+from omni_common.models.base import GenerationRequest, LateFlag, StageState
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
+from omni_common.runtime.calls import StageCall
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.parallel_mode import ParallelPolicy
-from omni_common.runtime.worker_group import GroupRunner, WorkerGroup
+from omni_common.runtime.rank import Read
+from omni_common.runtime.step_scheduler import StepScheduler
+from omni_common.runtime.worker_group import GroupRunner, Sent, WorkerGroup
 
 pytestmark = pytest.mark.slow
 
@@ -190,6 +196,75 @@ def test_a_bad_request_fails_alone_and_the_group_serves_on(group: WorkerGroup) -
     assert state.step_index == 1
 
 
+def test_steps_are_sent_ahead_and_each_command_gets_its_own_answer(
+    group: WorkerGroup, local: QwenImageDenoiser
+) -> None:
+    """A Step returns once sent; its answer is read later, after later commands were sent. Reading
+    a later command's answers first keeps the earlier ones for their readers, and an error
+    answered to one command is raised to its reader only."""
+    runner = GroupRunner(group, SPLIT)
+    ((request, inputs),) = requests(True, 1)
+    spread, alone = runner.prepare(request, inputs), local.prepare(request, inputs)
+    flags = []
+    for _ in range(2):
+        runner.step([spread])
+        flags.append(runner.is_finite(spread))
+    assert spread.step_index == 2  # counted at the send
+    bad = group.send(Read(10**9, "checkpoint"), ranks=[0])  # no such state: the rank fails it
+    runner.step([spread])
+    flags.append(runner.is_finite(spread))
+    assert all(isinstance(flag, LateFlag) for flag in flags)
+    assert flags[2].read() and flags[0].read() and flags[1].read()  # the last first
+    with pytest.raises(OmniError, match="internal error in a device worker"):
+        group.answers(bad)
+    for _ in range(3):
+        local.step([alone])
+    latents = runner.finish(spread).tensors["latents"]
+    assert float((latents - alone.latents).abs().max()) <= TOLERANCE
+
+
+def test_the_scheduler_sends_each_step_before_reading_the_last_ones_answer(
+    group: WorkerGroup, local: QwenImageDenoiser
+) -> None:
+    """The StepScheduler over the group (its server device is the CPU): step k+1 is with the
+    ranks before step k's answers are read, so a rank finds its next step waiting."""
+    ((request, inputs),) = requests(True, 1)
+    runner, unread = GroupRunner(group, SPLIT), []
+    send = group.send
+
+    def counted(*args: Any, **kwargs: Any) -> Sent:
+        sent = send(*args, **kwargs)
+        unread.append(len(group._unread[0]))  # this command and those before it not yet read
+        return sent
+
+    async def main() -> StageState:
+        executor = ThreadPoolExecutor(max_workers=1)
+
+        async def compute(fn: Callable[..., Any], *args: Any) -> Any:
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+        scheduler = StepScheduler(runner, compute)
+        try:
+            async for event in scheduler.run(StageCall(request_id="r", request=request, inputs=inputs)):
+                if isinstance(event, StageState):
+                    return event
+            raise AssertionError("no result")
+        finally:
+            scheduler.close()
+            executor.shutdown()
+
+    group.send = counted  # type: ignore[method-assign]
+    try:
+        result = asyncio.run(main())
+    finally:
+        del group.send
+    assert max(unread) >= 2, unread
+    state = local.prepare(request, inputs)
+    while not local.is_done(state):
+        local.step([state])
+    assert float((result.tensors["latents"] - state.latents).abs().max()) <= TOLERANCE
+
+
 def test_a_dead_rank_loses_the_group(tiny_model: Path) -> None:
     config = StageConfig(stage="dit-denoise", model_dir=tiny_model, devices=("cpu", "cpu"), threads=1)
     doomed = WorkerGroup(config, "denoise")
@@ -203,7 +278,8 @@ def test_a_dead_rank_loses_the_group(tiny_model: Path) -> None:
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(Unavailable, match="lost a device worker"):
-            runner.step([state])
+            runner.step([state])  # sent (or refused, if the group already knows)...
+            runner.is_finite(state).read()  # ...its answer never comes
         deadline = time.monotonic() + 10
         while (not lost or doomed.processes[0].is_alive()) and time.monotonic() < deadline:
             time.sleep(0.05)
