@@ -5,8 +5,10 @@ The server process stays the replica's only gRPC endpoint and holds no model: it
 batches requests between steps exactly as on one device, and `GroupRunner` (a StepRunner) sends
 each prepare, step and finish to every rank through a ShmQueue per rank and direction (tensors as
 raw bytes in shared memory, never pickled); the ranks run each step together (sequence parallel,
-CFG parallel) and rank 0 answers with what the scheduler reads. Outputs leave through the
-server's own transport, as on one device.
+CFG parallel) and rank 0 answers with what the scheduler reads. A Step is sent and not waited
+for: its answers (`Sent`) are read after the next Step went out, so the ranks never wait for
+the server between steps (step_scheduler.py, rank.py). Outputs leave through the server's own
+transport, as on one device.
 
 A worker that dies takes the replica with it: the group stops the other ranks (a step cannot
 finish without every rank), requests in flight fail with UNAVAILABLE so the coordinator resumes
