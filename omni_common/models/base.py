@@ -194,7 +194,7 @@ class BatchRunner(Protocol):
 
 class LateFlag:
     """A step's NaN flag that comes after `step` returned: a replica over several devices sends
-    the step to its device workers and reads their answers later (worker_group.GroupRunner).
+    the step to its device workers and reads their answers later (group_runner.GroupRunner).
     `read()` waits for it; the step scheduler reads it on the compute thread, once it has
     launched the next step, so the devices never wait for the server between steps."""
 

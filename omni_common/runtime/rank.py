@@ -10,7 +10,7 @@ rank 0 answers what reads it (checkpoints, previews, the finished latents); or o
 (one-device and data-parallel), which steps it alone, as a one-device replica does, and answers
 for it. A Step names its states and whether it is collective; each rank steps those it holds.
 
-The commands, typed: each is a frozen dataclass of plain values; its tensors travel beside it.
+The commands and their answers are rank_commands.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from omni_common.errors import FailedPrecondition, OmniError
 from omni_common.models.base import (
     DenoiserOptions,
-    GenerationRequest,
     LateFlag,
     StageContext,
     StageState,
@@ -45,6 +44,22 @@ from omni_common.models.capabilities import (
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
 from omni_common.runtime.profiler import StageProfiler
+from omni_common.runtime.rank_commands import (
+    Finish,
+    Mapped,
+    Prepare,
+    Prepared,
+    RankReply,
+    Read,
+    Ready,
+    Release,
+    Restore,
+    StartProfile,
+    Step,
+    Stepped,
+    Stop,
+    StopProfile,
+)
 from omni_common.runtime.sequence_parallel import SequenceParallel
 from omni_common.runtime.shm_queue import ShmQueue
 from omni_common.runtime.step_jobs import flags_on_host
@@ -57,106 +72,6 @@ HOLD_POLL_S = 0.0005  # while its last step runs: how often a rank checks whethe
 # How long a collective may wait for a peer; a peer gone for longer fails the step (the server
 # notices a dead worker within a second and takes the replica out anyway).
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
-
-
-@dataclass(frozen=True)
-class Prepare:
-    """A new request: its inputs come as tensors; `sid` names its state from now on."""
-
-    sid: int
-    request: GenerationRequest
-    meta: dict[str, str]
-
-
-@dataclass(frozen=True)
-class Restore:
-    """Move a prepared state to a checkpoint (the checkpoint's tensors come beside it)."""
-
-    sid: int
-    meta: dict[str, str]
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of these states (they share a batch key): collective, every rank holds them all
-    and they run in one forward spread over the ranks; otherwise each rank steps those it holds,
-    in one forward of its own, with no collective."""
-
-    sids: tuple[int, ...]
-    collective: bool = True
-
-
-@dataclass(frozen=True)
-class Read:
-    """Rank 0 only: a state's checkpoint or preview."""
-
-    sid: int
-    what: str  # "checkpoint" or "preview"
-
-
-@dataclass(frozen=True)
-class Finish:
-    """A finished state's output (each rank that held it answers with it, and drops it)."""
-
-    sid: int
-
-
-@dataclass(frozen=True)
-class Release:
-    """An unfinished state leaves (cancelled, expired, failed)."""
-
-    sid: int
-
-
-@dataclass(frozen=True)
-class StartProfile:
-    """Record this rank's commands (profiler.StageProfiler, bounded by the stage's profile
-    settings) into `directory`/rank-N: `directory` is the replica's own profile session's,
-    made owner-only by the server process."""
-
-    directory: str
-
-
-@dataclass(frozen=True)
-class StopProfile:
-    """End this rank's recording. The answer is the directory its trace goes to: a process of
-    the rank's own joins the segments there while the rank runs no command (profiler.py), so
-    a stop never holds the replica's steps."""
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Exit."""
-
-
-@dataclass(frozen=True)
-class RankReply:
-    """A rank's answer to one command: `value` (plain values; tensors beside it), or the
-    status code name and message of the error it raised."""
-
-    rank: int
-    value: object = None
-    code: str = ""
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What the server's scheduler needs of a new state."""
-
-    key: Hashable
-    cost: int
-    total_steps: int
-
-
-@dataclass(frozen=True)
-class Stepped:
-    """After a step: the states this rank stepped, each one's step index and whether its latents
-    are finite."""
-
-    sids: tuple[int, ...]
-    steps: tuple[int, ...]
-    finite: tuple[bool, ...]
 
 
 @dataclass
@@ -181,19 +96,6 @@ class StepInFlight:
         except Exception as err:  # the device failed the step (an asynchronous CUDA error)
             log.exception("rank %d: a step failed on the device", rank)
             return RankReply(rank, code="INTERNAL", error=type(err).__name__)
-
-
-@dataclass(frozen=True)
-class Mapped:
-    """The rank has both its queues mapped (its first answer, before it loads anything)."""
-
-
-@dataclass(frozen=True)
-class Ready:
-    """The rank has its model loaded and joined the group."""
-
-    device: str
-    weight_bytes: int
 
 
 def rank_main(

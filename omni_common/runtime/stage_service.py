@@ -106,7 +106,7 @@ class StageWorker(ControlledWorker, Protocol):
 
 @runtime_checkable
 class LosesDeviceWorkers(Protocol):
-    """A worker spread over device worker processes (worker_group.py): it calls `on_lost` with
+    """A worker spread over device worker processes (group_runner.GroupWorker): it calls `on_lost` with
     the reason once one of them is gone."""
 
     on_lost: Callable[[str], None] | None

@@ -4,9 +4,9 @@ validates, maps tensors and streams events; the worker runs the model)."""
 from __future__ import annotations
 
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.group_runner import GroupWorker
 from omni_common.runtime.serve import run
 from omni_common.runtime.stage_service import StageWorker, serve_stage
-from omni_common.runtime.worker_group import GroupWorker
 from services.dit_denoise.worker import DenoiseWorker
 
 

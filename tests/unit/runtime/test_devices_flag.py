@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_common.runtime.config import StageConfig, add_stage_args, parse_devices, stage_config
-from omni_common.runtime.worker_group import GroupWorker
+from omni_common.runtime.group_runner import GroupWorker
 
 
 def test_gpus_is_shorthand_for_the_first_n_gpus() -> None:

@@ -28,10 +28,11 @@ from omni_common.models.base import GenerationRequest, LateFlag, StageState
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.runtime.calls import StageCall
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.group_runner import GroupRunner
 from omni_common.runtime.parallel_mode import ParallelPolicy
-from omni_common.runtime.rank import Read
+from omni_common.runtime.rank_commands import Read
 from omni_common.runtime.step_scheduler import StepScheduler
-from omni_common.runtime.worker_group import GroupRunner, Sent, WorkerGroup
+from omni_common.runtime.worker_group import Sent, WorkerGroup
 
 pytestmark = pytest.mark.slow
 
