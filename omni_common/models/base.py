@@ -144,6 +144,10 @@ class StageContext:
     cuda_graphs: bool = False
     # (width, height) sizes the stage compiles ahead (--capture-sizes).
     capture_sizes: tuple[tuple[int, int], ...] = ()
+    # vae-decode over several devices: the devices a large image's decode is split over (the
+    # first is `device`), from images of `split_decode_pixels` on; () = one device.
+    decode_devices: tuple[torch.device, ...] = ()
+    split_decode_pixels: int = 0
     # Runs model work on the replica's compute thread (one forward at a time per device).
     compute: Callable[..., Awaitable[Any]] | None = None
 

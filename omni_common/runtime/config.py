@@ -120,12 +120,14 @@ class StageConfig(ServiceConfig):
     model_name: str = setting("", "served name (default: dir name)")
     device: str = setting("auto", "auto, cpu or cuda:N")
     # dit-denoise: the devices one replica spreads each step over, one worker process each
-    # (cuda:0,cuda:1 or cpu,cpu); () = one device, in this process (`device`). Read with --gpus.
+    # (cuda:0,cuda:1 or cpu,cpu); vae-decode: the devices a large image's decode is split over,
+    # in this process (the first is `device`). () = one device (`device`). Read with --gpus.
     devices: tuple[str, ...] = setting(
         (),
         "dit-denoise: comma-separated devices one replica spreads each step over, one worker "
         "process each (cuda:0,cuda:1; cpu,cpu with gloo); sequence parallel, and CFG parallel with "
-        "a negative prompt. Empty: one device (--device)",
+        "a negative prompt. vae-decode: the devices an image of --split-decode-pixels or more is "
+        "decoded over, a band each (the first is the replica's device). Empty: one device (--device)",
     )
     dtype: str = setting("float32", "the weights' dtype", choices=("float32", "bfloat16", "float16"))
     float32_matmul_precision: str = setting(
@@ -152,6 +154,12 @@ class StageConfig(ServiceConfig):
         "step of new requests (dit-denoise); 0 = none: throughput for latency",
     )
     max_tokens: int = setting(65536, "dit-denoise: image tokens per forward, CFG counted twice")
+    split_decode_pixels: int = setting(
+        2048 * 2048,
+        "vae-decode over --devices: images of this many pixels or more decode in horizontal bands, "
+        "one a device at once (diffusers' tiled decode, one tile a band); smaller ones whole on "
+        "the first device",
+    )
     max_batch_pixels: int = setting(
         -1,
         "vae-decode: image pixels per forward (0 = no limit, -1 = by device: "
@@ -321,8 +329,16 @@ def stage_config(stage: str, args: argparse.Namespace) -> StageConfig:
     if not args.model_dir:
         raise SystemExit(f"{stage}: --model (or OMNISTAGE_MODEL) must name a local model directory")
     devices = parse_devices(args.devices, args.gpus)
-    if devices and stage != "dit-denoise":
-        raise SystemExit(f"{stage}: --devices and --gpus are for dit-denoise; {stage} runs on --device")
+    if devices and stage not in ("dit-denoise", "vae-decode"):
+        raise SystemExit(
+            f"{stage}: --devices and --gpus are for dit-denoise and vae-decode; {stage} runs on --device"
+        )
+    if devices and stage == "vae-decode":  # the replica runs on the first, the bands on all
+        if args.device not in ("auto", devices[0]):
+            raise SystemExit(
+                f"vae-decode: --device {args.device} is not the first of --devices {','.join(devices)}"
+            )
+        args.device = devices[0]
     if args.prefill_chunk_tokens < 0:
         raise SystemExit(f"{stage}: --prefill-chunk-tokens must be 0 (off) or more")
     if not 0 <= args.drain_linger_s <= DRAIN_GRACE_S:

@@ -8,16 +8,18 @@ raw pixels on one host.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import torch
 
-from omni_common.errors import InvalidArgument
+from omni_common.errors import FailedPrecondition, InvalidArgument, Unimplemented
 from omni_common.imaging import to_png, to_rgb8
 from omni_common.models.base import StageContext, StageState
 from omni_common.runtime.calls import Progress, StageCall
 from omni_common.runtime.config import VAE_BATCH_PIXELS
+from omni_common.runtime.hot_reload import WeightsLoaded
+from omni_common.runtime.memory import Transition
 from omni_common.runtime.roles import RoleLimits
 from omni_common.runtime.worker import Worker
 
@@ -33,7 +35,21 @@ class DecodeWorker(Worker):
             compile=self.compile_flag(),
             cuda_graphs=self.execution_flag("--cuda-graphs", config.cuda_graphs),
             capture_sizes=config.capture_sizes,
+            decode_devices=tuple(torch.device(device) for device in config.devices),
+            split_decode_pixels=config.split_decode_pixels,
         )
+
+    async def sleep(self, level: int) -> Transition:
+        if self.config.devices:  # the other devices' copies would stay: not built
+            raise FailedPrecondition(f"{self.stage} over several devices does not sleep")
+        return await super().sleep(level)
+
+    async def load_weights(self, paths: Sequence[str]) -> WeightsLoaded:
+        if self.config.devices:
+            raise Unimplemented(
+                f"LoadWeights is not available on a {self.stage} replica over several devices"
+            )
+        return await super().load_weights(paths)
 
     def role_limits(self) -> RoleLimits:
         pixels = self.config.max_batch_pixels

@@ -143,4 +143,7 @@ class QwenImageFamily:
         from omni_common.models.qwenimage.decode import QwenImageDecoder
 
         sizes = context.capture_sizes if context.compile else ()
-        return QwenImageDecoder.load(Path(model_dir), context.device, context.dtype, sizes)
+        decoder = QwenImageDecoder.load(Path(model_dir), context.device, context.dtype, sizes)
+        if context.decode_devices:
+            decoder.split_over(context.decode_devices, context.split_decode_pixels)
+        return decoder

@@ -1,4 +1,5 @@
-"""--devices / --gpus: the device list of a dit-denoise replica over several devices."""
+"""--devices / --gpus: the device list of a dit-denoise replica over several devices, and of a
+vae-decode replica that decodes large images over several."""
 
 from __future__ import annotations
 
@@ -51,3 +52,24 @@ def test_a_replica_over_gpus_the_machine_lacks_stops_before_starting_workers(tin
     config = StageConfig(stage="dit-denoise", model_dir=tiny_model, devices=("cuda:0", "cuda:1"))
     with pytest.raises(SystemExit, match="needs 2 GPUs; this machine has"):
         GroupWorker(config)
+
+
+def vae_decode_config(*flags: str) -> StageConfig:
+    parser = argparse.ArgumentParser()
+    add_stage_args(parser, "vae-decode")
+    return stage_config("vae-decode", parser.parse_args(["--model", "/models/x", *flags]))
+
+
+def test_a_vae_decode_over_devices_runs_on_the_first_and_splits_large_images() -> None:
+    config = vae_decode_config("--devices", "cpu,cpu", "--split-decode-pixels", "1000")
+    assert config.devices == ("cpu", "cpu") and config.device == "cpu"
+    assert config.split_decode_pixels == 1000
+    with pytest.raises(SystemExit, match="--device cuda:1 is not the first of --devices cuda:0,cuda:1"):
+        vae_decode_config("--devices", "cuda:0,cuda:1", "--device", "cuda:1")
+
+
+def test_the_encoder_runs_on_one_device() -> None:
+    parser = argparse.ArgumentParser()
+    add_stage_args(parser, "ar-encoder")
+    with pytest.raises(SystemExit, match="are for dit-denoise and vae-decode"):
+        stage_config("ar-encoder", parser.parse_args(["--model", "/models/x", "--devices", "cpu,cpu"]))
