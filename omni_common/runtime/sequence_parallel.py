@@ -5,11 +5,10 @@ SequenceParallelPlan (omni_common.models.base).
 Sequence parallel (Ulysses). Each rank of a group holds a contiguous share of the image tokens
 (`torch.tensor_split`: shares differ by at most one token, so any image size works) and every
 text token (replicated: a prompt of any length needs no padding, and its mask stays as it is).
-Around the attention call each rank trades heads for tokens: an all-to-all each for the image
-query, key and value sends every rank those of its heads for all tokens (heads_in), attention
-runs on the joint sequence with those heads, and one all-to-all returns each rank its own tokens
-with all heads, together with the text tokens' output of every head (heads_out; the text stream
-stays replicated). Both are custom ops the compiled blocks call as they are. Heads split unevenly
+Around the attention call each rank trades heads for tokens: one all-to-all sends every rank the
+image query/key/value of its heads for all tokens, attention runs on the joint sequence with
+those heads, and one all-to-all returns each rank its own tokens with all heads, together with
+the text tokens' output of every head (the text stream stays replicated). Heads split unevenly
 too (3 heads on 2 ranks: 2 and 1). The DiT's output is gathered on the token dimension, so every
 rank ends a forward with the whole prediction and steps identical latents.
 
@@ -33,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,8 +61,7 @@ def new_groups(world: int) -> tuple[Group, list[Group], list[Group]]:
 
     def group(ranks: list[int]) -> Group:
         handle = dist.new_group(ranks) if len(ranks) > 1 else None
-        made = _GROUPS[tuple(ranks)] = Group(ranks, handle)
-        return made
+        return Group(ranks, handle)
 
     full = group(list(range(world)))
     if world < 2 or world % 2:
@@ -90,114 +89,14 @@ def gather(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> torch.T
     return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes, strict=True)], dim)
 
 
-# The groups by their ranks, for the custom ops below: an op's arguments cannot name a group.
-# They name this rank's place in it (`me`) though, so that each rank's compiled graph differs
-# and the compile caches the ranks share never hand one rank's shapes to another.
-_GROUPS: dict[tuple[int, ...], Group] = {}
-
-
-def _bounds(sizes: list[int]) -> list[int]:
-    """Where each share starts, and the end: [0, s0, s0 + s1, ...]."""
-    return [sum(sizes[:r]) for r in range(len(sizes) + 1)]
-
-
-@torch.library.custom_op("omnistage::ulysses_heads_in", mutates_args=())
-def heads_in(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    ranks: list[int],
-    me: int,
-    tokens: list[int],
-    heads: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's [text (replicated), image tokens of this rank] with all heads in
-    ([B, L + n, H, D] each), out: [text, every rank's image tokens] with this rank's heads
-    ([B, L + N, h, D] each). An opaque op (eager, captured as it runs): three all-to-alls issued
-    one after the other, each packing the next tensor while the last one moves, received in
-    place where the batch is one row, and one copy of what goes out; the compiler's own tracing
-    of the collective allocated, copied and packed each tensor several times more."""
-    group = _GROUPS[tuple(ranks)]
-    world = group.size
-    batch, joint, _, dim = query.shape
-    length, total = joint - tokens[me], sum(tokens)
-    head_at, token_at = _bounds(heads), _bounds(tokens)
-    mine = slice(head_at[me], head_at[me + 1])
-    sent_counts = [batch * tokens[me] * heads[r] * dim for r in range(world)]
-    got_counts = [batch * tokens[r] * heads[me] * dim for r in range(world)]
-    held, joined = [], []
-    for x in (query, key, value):
-        out = x.new_empty(batch, length + total, heads[me], dim)
-        out[:, :length] = x[:, :length, mine]
-        send = x.new_empty(sum(sent_counts))
-        for r, part in enumerate(send.split(sent_counts)):
-            part.view(batch, tokens[me], heads[r], dim).copy_(x[:, length:, head_at[r] : head_at[r + 1]])
-        # One row: rank r's tokens land where they belong in the joint sequence.
-        got = out[0, length:].view(-1) if batch == 1 else x.new_empty(sum(got_counts))
-        work = dist.all_to_all_single(got, send, got_counts, sent_counts, group=group.handle, async_op=True)
-        held.append((work, send, got, out))
-        joined.append(out)
-    for work, _, got, out in held:
-        work.wait()
-        if batch > 1:
-            for r, part in enumerate(got.split(got_counts)):
-                at = length + token_at[r]
-                out[:, at : at + tokens[r]] = part.view(batch, tokens[r], heads[me], dim)
-    return joined[0], joined[1], joined[2]
-
-
-@heads_in.register_fake
-def _heads_in_shapes(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    ranks: list[int],
-    me: int,
-    tokens: list[int],
-    heads: list[int],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, joint, _, dim = query.shape
-    shape = (batch, joint - tokens[me] + sum(tokens), heads[me], dim)
-    return query.new_empty(shape), key.new_empty(shape), value.new_empty(shape)
-
-
-@torch.library.custom_op("omnistage::ulysses_heads_out", mutates_args=())
-def heads_out(
-    attended: torch.Tensor, ranks: list[int], me: int, tokens: list[int], heads: list[int]
-) -> torch.Tensor:
-    """The way back of heads_in: [text, every rank's image tokens] with this rank's heads in,
-    [text, this rank's image tokens] with all heads out. Rank r gets its tokens with this
-    rank's heads and the text with them (the text stream stays replicated): one all-to-all."""
-    group = _GROUPS[tuple(ranks)]
-    world = group.size
-    batch, joint, _, dim = attended.shape
-    length = joint - sum(tokens)
-    head_at, token_at = _bounds(heads), _bounds(tokens)
-    sent_counts = [batch * (tokens[r] + length) * heads[me] * dim for r in range(world)]
-    got_counts = [batch * (tokens[me] + length) * heads[r] * dim for r in range(world)]
-    send = attended.new_empty(sum(sent_counts))
-    for r, part in enumerate(send.split(sent_counts)):
-        image, text = part.split([batch * tokens[r] * heads[me] * dim, batch * length * heads[me] * dim])
-        at = length + token_at[r]
-        image.view(batch, tokens[r], heads[me], dim).copy_(attended[:, at : at + tokens[r]])
-        text.view(batch, length, heads[me], dim).copy_(attended[:, :length])
-    got = attended.new_empty(sum(got_counts))
-    dist.all_to_all_single(got, send, got_counts, sent_counts, group=group.handle)
-    out = attended.new_empty(batch, length + tokens[me], sum(heads), dim)
-    for r, part in enumerate(got.split(got_counts)):
-        image, text = part.split([batch * tokens[me] * heads[r] * dim, batch * length * heads[r] * dim])
-        theirs = slice(head_at[r], head_at[r + 1])
-        out[:, length:, theirs] = image.view(batch, tokens[me], heads[r], dim)
-        out[:, :length, theirs] = text.view(batch, length, heads[r], dim)
-    return out
-
-
-@heads_out.register_fake
-def _heads_out_shape(
-    attended: torch.Tensor, ranks: list[int], me: int, tokens: list[int], heads: list[int]
-) -> torch.Tensor:
-    batch, joint, _, dim = attended.shape
-    return attended.new_empty(batch, joint - sum(tokens) + tokens[me], sum(heads), dim)
+def exchange(pieces: list[torch.Tensor], incoming: list[tuple[int, ...]], group: Group) -> list[torch.Tensor]:
+    """All-to-all of uneven pieces: `pieces[r]` goes to rank r; returns what each rank sent
+    here, shaped as `incoming[r]`. One flat buffer each way (one collective)."""
+    send = torch.cat([piece.reshape(-1) for piece in pieces])
+    counts = [math.prod(shape) for shape in incoming]  # sizes stay symbolic where they are
+    received = torch.empty(sum(counts), dtype=send.dtype, device=send.device)
+    dist.all_to_all_single(received, send, counts, [piece.numel() for piece in pieces], group=group.handle)
+    return [part.reshape(shape) for part, shape in zip(received.split(counts), incoming, strict=True)]
 
 
 class SequenceParallel:
@@ -329,17 +228,34 @@ class SequenceParallel:
         """Joint attention over [text (replicated), this rank's image tokens], all heads in,
         all heads out; in between, every rank attends with its share of the heads over all
         tokens."""
-        tokens, ranks = self._token_shares, group.ranks
-        joint_length, heads = query.shape[1], query.shape[2]
-        length = joint_length - tokens[group.rank]  # the prompt's tokens (symbolic under dynamic shapes)
+        tokens, me = self._token_shares, group.rank
+        batch, joint_length, heads, dim = query.shape
+        length = joint_length - tokens[me]  # the prompt's tokens (symbolic under dynamic shapes)
         head_shares = shares(heads, group.size)
-        joint = heads_in(query, key, value, ranks, group.rank, tokens, head_shares)
+        lo = sum(head_shares[:me])
+        mine = slice(lo, lo + head_shares[me])
+        qkv = torch.stack([query, key, value])  # [3, B, L + n, H, D]
+        text, image = qkv[:, :, :length], qkv[:, :, length:]
+        # Image q/k/v: my tokens of rank r's heads go to rank r; all tokens of my heads come back.
+        bounds = [sum(head_shares[:r]) for r in range(group.size + 1)]
+        sent = [image[:, :, :, bounds[r] : bounds[r + 1]] for r in range(group.size)]
+        got = exchange(sent, [(3, batch, n, head_shares[me], dim) for n in tokens], group)
+        joint = torch.cat([text[:, :, :, mine], *got], dim=2)
         mask = attn_mask
         if mask is not None:  # [B, 1, 1, L + n] over keys: gather the image keys' part
             image_keys = gather(mask[..., length:], mask.dim() - 1, tokens, group)
             mask = torch.cat([mask[..., :length], image_keys], -1)
-        out = attention(*joint, mask, *args, **kwargs)  # [B, L + N, h, D]
-        return heads_out(out, ranks, group.rank, tokens, head_shares)
+        out = attention(joint[0], joint[1], joint[2], mask, *args, **kwargs)  # [B, L + N, h, D]
+        # Back: rank r gets its tokens with my heads, and the text with my heads.
+        image_out = out[:, length:].tensor_split(group.size, dim=1)
+        back = [torch.cat([image_out[r].reshape(-1), out[:, :length].reshape(-1)]) for r in range(group.size)]
+        n = tokens[me]
+        returned = exchange(back, [((n + length) * batch * h * dim,) for h in head_shares], group)
+        image_parts, text_parts = [], []
+        for part, h in zip(returned, head_shares, strict=True):
+            image_parts.append(part[: batch * n * h * dim].reshape(batch, n, h, dim))
+            text_parts.append(part[batch * n * h * dim :].reshape(batch, length, h, dim))
+        return torch.cat([torch.cat(text_parts, dim=2), torch.cat(image_parts, dim=2)], dim=1)
 
 
 def _resolve(root: object, path: str) -> Any:
