@@ -20,8 +20,9 @@ with CFG), sequence parallel from 4096 (1024x1024), and below them one rank per 
 second request in flight goes to another rank whatever its size: two requests on two devices
 at once beat two requests split over both, one after the other, by the collectives' whole cost.
 The workers now replay spread forwards as CUDA graphs too (26.7 ms against 32.2 at 512x512 in
-that forward-only run); the replica at 512x512 has not been measured so, and the thresholds
-stay until it is (docs/benchmarks.md).
+that forward-only run). In the replica, a lone 512x512 request kept on one rank runs at 1.003 of
+a one-GPU replica (1.011 with CFG; 2 H200s, pipelined steps); spreading it has not been timed
+there, so the thresholds stay until it is (docs/benchmarks.md).
 """
 
 from __future__ import annotations
