@@ -132,13 +132,13 @@ class SpreadsForwards(Protocol):
     alone), it names the group the next forward spreads over, the same on every rank of it
     (empty: none, the forward runs here alone); a spread forward replays only the graphs every
     rank of its group captured together (the collectives inside, no timing that could keep a
-    graph on one rank and drop it on another). `rehearse` runs its warm-up's forwards again
-    without graphs, so that the replica can compile the spread shapes before a request meets
-    them."""
+    graph on one rank and drop it on another). `rehearse` runs again, without graphs, those of
+    its warm-up's forwards that `spreads(rows, image tokens)` says the replica may spread, so
+    that it compiles the spread shapes before a request meets them."""
 
     spread: Callable[[], Hashable] | None
 
-    def rehearse(self) -> None: ...
+    def rehearse(self, spreads: Callable[[int, int], bool]) -> None: ...
 
 
 @runtime_checkable

@@ -227,10 +227,7 @@ class GroupWorker(Worker):
         config = self.config
         group = WorkerGroup(replace(config, devices=self.devices), steps[0].name)
         group.on_lost = self._lost
-        policy = ParallelPolicy(
-            config.parallel_mode, config.cfg_parallel_tokens, config.sequence_parallel_tokens
-        )
-        return GroupModel({steps[0].name: GroupRunner(group, policy)}, group)
+        return GroupModel({steps[0].name: GroupRunner(group, ParallelPolicy.of(config))}, group)
 
     def _lost(self, reason: str) -> None:
         if self.on_lost is not None:

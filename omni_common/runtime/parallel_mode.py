@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omni_common.runtime.config import StageConfig
 
 log = logging.getLogger("omnistage.parallel_mode")
 
@@ -56,6 +60,11 @@ class ParallelPolicy:
         if self.mode not in POLICIES:
             raise ValueError(f"parallel mode {self.mode!r}; it is one of {', '.join(POLICIES)}")
 
+    @classmethod
+    def of(cls, config: StageConfig) -> ParallelPolicy:
+        """The policy a stage's settings name."""
+        return cls(config.parallel_mode, config.cfg_parallel_tokens, config.sequence_parallel_tokens)
+
 
 def choose_mode(batch: int, tokens: int, cfg: bool, world: int, policy: ParallelPolicy) -> str:
     """The mode of a new request: `batch` states in flight counting it, `tokens` image tokens of
@@ -73,6 +82,21 @@ def choose_mode(batch: int, tokens: int, cfg: bool, world: int, policy: Parallel
     if tokens >= policy.sequence_parallel_tokens:
         return SEQUENCE_PARALLEL
     return local
+
+
+def spreads(rows: int, image_tokens: int, world: int, policy: ParallelPolicy) -> bool:
+    """Whether a forward of `rows` requests, each an image of `image_tokens` tokens, can run
+    spread over several of `world` ranks under `policy`, for requests with or without CFG: the
+    forwards a replica compiles spread before it serves. Such a forward holds the requests
+    split together, each admitted while fewer than `world` were in flight. A CFG branch runs on
+    a half of the ranks wherever their number is even, so it spreads only over halves of two
+    ranks or more."""
+    for cfg in (False, True):
+        mode = choose_mode(rows, image_tokens * (2 if cfg else 1), cfg, world, policy)
+        over = world // 2 if cfg and world % 2 == 0 else world
+        if mode in COLLECTIVE and over > 1:
+            return True
+    return False
 
 
 class ModeLog:

@@ -43,6 +43,7 @@ from omni_common.models.capabilities import (
 )
 from omni_common.models.registry import family_for_model_dir
 from omni_common.runtime.config import StageConfig
+from omni_common.runtime.parallel_mode import ParallelPolicy, spreads
 from omni_common.runtime.profiler import StageProfiler
 from omni_common.runtime.rank_commands import (
     Finish,
@@ -179,7 +180,9 @@ def _configure(
     data-parallel requests, a CFG branch on a half of one rank). A sequence-parallel forward
     replays a graph of its own, the all-to-alls inside, that every rank of its group captured
     at the same step (SpreadsForwards). The warm-up runs each shape alone, then spread inside
-    the whole group, so no request waits for a compile."""
+    the whole group those the replica's policy can spread (parallel_mode.spreads: under auto on
+    2 devices, one request from 1024x1024 on), so no request waits for a compile and the start
+    compiles no spread forward that no request can take."""
     on_gpu = device.type == "cuda"
     compile_blocks = config.compile == "on" or (config.compile == "auto" and on_gpu)
     # Only a runner that can be told which forwards are spread may hold graphs.
@@ -188,8 +191,9 @@ def _configure(
         return
     runner.configure(replace(options, compile=compile_blocks, cuda_graphs=graphs))
     if compile_blocks and isinstance(runner, SpreadsForwards):
+        world, policy = options.devices, ParallelPolicy.of(config)
         with _collective(runner, sp):
-            runner.rehearse()
+            runner.rehearse(lambda rows, tokens: spreads(rows, tokens, world, policy))
 
 
 def _serve(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -139,11 +140,12 @@ class TransformerExecution:
             sizes = [self.img_shape(width, height) for width, height in options.capture_sizes]
             self.graphed.plan_idle_captures(sizes, IDLE_CAPTURE_TOKENS, self.dtype)
 
-    def rehearse(self) -> None:
-        """The warm-up's forwards again, without graphs: a replica over several devices runs
-        them spread (SpreadsForwards), so the compiler meets those shapes before a request."""
+    def rehearse(self, spreads: Callable[[int, int], bool]) -> None:
+        """The warm-up's forwards that `spreads(rows, image tokens)` again, without graphs: a
+        replica over several devices runs them spread (SpreadsForwards), so the compiler meets
+        those shapes before a request."""
         if self._warm_up is not None:
-            self._warm_up(graphed=None, defer=False)
+            self._warm_up(graphed=None, defer=False, only=lambda rows, shape: spreads(rows, math.prod(shape)))
 
     def _with_modulation(self, inputs: Inputs) -> Inputs:
         """Warm-up inputs with packed modulation rows (zeros) when the forward takes them."""

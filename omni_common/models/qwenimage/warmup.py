@@ -118,17 +118,24 @@ def warm_up(
     device: torch.device,
     *,
     defer: bool = False,
+    only: Callable[[int, tuple[int, int, int]], bool] = lambda batch, img_shape: True,
 ) -> WarmUp:
     """Run (and so compile and capture) every forward shape of `img_shapes` (frames, patch
     rows, patch columns) up to `max_batch` requests, logging each step; with `defer`, only
-    those of one request at each shape: the rest is left in the WarmUp returned."""
+    those of one request at each shape: the rest is left in the WarmUp returned. `only(batch,
+    img_shape)` picks the shapes (in the same order)."""
 
     def real(batch: int, img_shape: tuple[int, int, int]) -> RealShape:
         return RealShape(forward, batch, img_shape, channels, text_dim, dtype, device)
 
-    steps = [step for img_shape in img_shapes for step in real(1, img_shape).steps(masked=False, ahead=True)]
+    steps = [
+        step
+        for img_shape in img_shapes
+        if only(1, img_shape)
+        for step in real(1, img_shape).steps(masked=False, ahead=True)
+    ]
     for img_shape in img_shapes:
-        for batch in (b for b in BATCH_BUCKETS if b <= max_batch):
+        for batch in (b for b in BATCH_BUCKETS if b <= max_batch and only(b, img_shape)):
             if batch in REAL_SHAPE_BATCHES:
                 shape = real(batch, img_shape)
                 if batch > 1:  # one request's unmasked steps came first

@@ -15,6 +15,7 @@ from omni_common.runtime.parallel_mode import (
     ModeLog,
     ParallelPolicy,
     choose_mode,
+    spreads,
 )
 
 AUTO = ParallelPolicy()
@@ -63,6 +64,31 @@ def test_a_forced_policy_holds_whatever_the_shape() -> None:
     assert choose_mode(8, AT_512, True, 3, split) == SEQUENCE_PARALLEL
     assert choose_mode(1, AT_2048, True, 2, apart) == ONE_DEVICE
     assert choose_mode(2, AT_2048, True, 2, apart) == DATA_PARALLEL
+
+
+@pytest.mark.parametrize(
+    ("rows", "tokens", "world", "policy", "spread"),
+    [
+        (1, AT_1024, 2, AUTO, True),  # sequence parallel
+        (1, AT_512, 2, AUTO, False),  # one device, with or without CFG
+        (2, AT_2048, 2, AUTO, False),  # a second request goes to the other device
+        (1, AT_1024, 3, AUTO, True),
+        (1, AT_512 * 2, 3, AUTO, True),  # with CFG (counted twice) on an odd world: sequence parallel
+        (3, AT_2048, 4, AUTO, True),  # three requests split while a fourth device is left
+        (4, AT_2048, 4, AUTO, False),
+        (1, AT_1024 // 2, 4, AUTO, True),  # CFG on 4: each branch over a half of 2
+        (1, AT_1024 // 2, 2, AUTO, False),  # CFG on 2: each branch alone on a device
+        (8, AT_512, 2, ParallelPolicy("sequence-parallel"), True),
+        (1, AT_2048, 2, ParallelPolicy("data-parallel"), False),
+        (1, AT_2048, 1, AUTO, False),
+    ],
+)
+def test_the_forwards_a_replica_may_spread(
+    rows: int, tokens: int, world: int, policy: ParallelPolicy, spread: bool
+) -> None:
+    """What a replica compiles spread before it serves: the forwards some request, with or
+    without CFG, could take spread under its policy."""
+    assert spreads(rows, tokens, world, policy) == spread
 
 
 def test_an_unknown_policy_is_refused() -> None:

@@ -9,6 +9,8 @@ magnitude ~1. Without the mask the padded prompt tokens would move the output by
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from omni_common.models.qwenimage.graphs import (
 )
 from omni_common.models.qwenimage.warmup import WarmUp, warm_up
 from omni_common.runtime.config import parse_sizes
+from omni_common.runtime.parallel_mode import ParallelPolicy, spreads
 
 from ..conftest import CPU
 
@@ -153,9 +156,14 @@ def test_capture_sizes_parse_as_width_by_height() -> None:
 Shapes = list[tuple[int, int, int]]  # a forward's rows, prompt tokens and image tokens
 
 
-def warm_up_recorded(tiny_model: Path, sizes: list[int], defer: bool) -> tuple[WarmUp, Shapes]:
-    """The tiny denoiser's warm-up (CPU: no graphs) for square `sizes`, up to 2 requests, and
-    the Shapes of its forwards as they run (the list grows with later steps)."""
+def warm_up_recorded(
+    tiny_model: Path,
+    sizes: list[int],
+    defer: bool,
+    only: Callable[[int, tuple[int, int, int]], bool] | None = None,
+) -> tuple[WarmUp, Shapes]:
+    """The tiny denoiser's warm-up (CPU: no graphs) for square `sizes`, up to 2 requests (those
+    `only` picks), and the Shapes of its forwards as they run (the list grows with later steps)."""
     denoiser = QwenImageDenoiser.load(tiny_model, torch.device("cpu"), torch.float32)
     config = denoiser.transformer.config
     shapes: Shapes = []
@@ -168,6 +176,7 @@ def warm_up_recorded(tiny_model: Path, sizes: list[int], defer: bool) -> tuple[W
     warm = warm_up(
         forward, None, [denoiser.img_shape(size, size) for size in sizes], 2, config["in_channels"],
         config["joint_attention_dim"], torch.float32, torch.device("cpu"), defer=defer,
+        **({} if only is None else {"only": only}),
     )  # fmt: skip
     return warm, shapes
 
@@ -191,3 +200,25 @@ def test_a_deferred_warm_up_runs_one_request_at_each_size_then_the_rest_in_order
     while warm.run_next():
         pass
     assert shapes == everything and warm.left == 0
+
+
+def test_a_rehearsal_runs_only_the_shapes_its_replica_can_spread(tiny_model: Path) -> None:
+    """A replica over 2 devices rehearses spread only what its policy can spread (auto: one
+    request from --sequence-parallel-tokens on), in the full warm-up's order; forced sequence
+    parallel, all of it."""
+    _, everything = warm_up_recorded(tiny_model, [64, 32], defer=False)
+    # The tiny fixture's 64x64 image is 64 tokens a step, 32x32 is 16: the threshold between.
+    auto = ParallelPolicy(sequence_parallel_tokens=64)
+
+    def picked(policy: ParallelPolicy) -> Shapes:
+        _, shapes = warm_up_recorded(
+            tiny_model,
+            [64, 32],
+            defer=False,
+            only=lambda rows, shape: spreads(rows, math.prod(shape), 2, policy),
+        )
+        return shapes
+
+    assert picked(auto) == [(1, 17, 64), (1, 23, 64), (1, 23, 64)]  # one request at 64x64, masked too
+    assert picked(ParallelPolicy("sequence-parallel")) == everything
+    assert picked(ParallelPolicy("data-parallel")) == []
