@@ -40,7 +40,12 @@ class SequenceParallelPlan:
     [B, L, C] (replicated), the submodule whose output element `rotary_output` holds per-image-token
     rotary embeddings (split on dim 0), the attention function its attention processors call
     with joint query/key/value [B, S, H, D] (text tokens first, then image tokens) as
-    "module:function", and the config key of its head count."""
+    "module:function", and the config key of its head count.
+
+    Optionally, `overlapped` names ("module:function") what installs the family's own spread
+    attention, one that projects by destination rank so the all-to-all moves while the rest is
+    projected: called as function(dit, spread) with the runtime's execution.spread.Spread, it
+    returns whether it installed; where it did not, the attention function's wrapper spreads."""
 
     module: str
     tokens: str
@@ -49,3 +54,4 @@ class SequenceParallelPlan:
     rotary_output: int
     attention: str
     heads: str
+    overlapped: str = ""

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from omni_common.execution.spread import exchange, overlap_collectives, shares
 from omni_common.models.module_layout import SequenceParallelPlan
 
 Branch = Callable[[], torch.Tensor]
@@ -72,11 +72,6 @@ def new_groups(world: int) -> tuple[Group, list[Group], list[Group]]:
     return full, halves, pairs
 
 
-def shares(total: int, parts: int) -> list[int]:
-    """The sizes torch.tensor_split gives `parts` pieces of `total`."""
-    return [len(piece) for piece in torch.arange(total).tensor_split(parts)]
-
-
 def gather(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> torch.Tensor:
     """Each rank's piece of a tensor along `dim` (sizes by rank, uneven allowed), gathered."""
     if group.size == 1:
@@ -87,16 +82,6 @@ def gather(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> torch.T
     pieces = [torch.empty_like(padded) for _ in range(group.size)]
     dist.all_gather(pieces, padded, group=group.handle)
     return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(pieces, sizes, strict=True)], dim)
-
-
-def exchange(pieces: list[torch.Tensor], incoming: list[tuple[int, ...]], group: Group) -> list[torch.Tensor]:
-    """All-to-all of uneven pieces: `pieces[r]` goes to rank r; returns what each rank sent
-    here, shaped as `incoming[r]`. One flat buffer each way (one collective)."""
-    send = torch.cat([piece.reshape(-1) for piece in pieces])
-    counts = [math.prod(shape) for shape in incoming]  # sizes stay symbolic where they are
-    received = torch.empty(sum(counts), dtype=send.dtype, device=send.device)
-    dist.all_to_all_single(received, send, counts, [piece.numel() for piece in pieces], group=group.handle)
-    return [part.reshape(shape) for part, shape in zip(received.split(counts), incoming, strict=True)]
 
 
 class SequenceParallel:
@@ -128,6 +113,13 @@ class SequenceParallel:
         wrapped = self._wrap(attention)
         wrapped._omnistage_ulysses = True  # type: ignore[attr-defined]
         setattr(module, function, wrapped)
+        if plan.overlapped and _function(plan.overlapped)(self.dit, self):
+            overlap_collectives()
+
+    @property
+    def token_shares(self) -> list[int]:
+        """Each rank's share of the image tokens of the forward under way."""
+        return self._token_shares
 
     @property
     def cfg_parallel(self) -> bool:
@@ -262,3 +254,9 @@ def _resolve(root: object, path: str) -> Any:
     for name in path.split(".") if path else []:
         root = getattr(root, name)
     return root
+
+
+def _function(name: str) -> Any:
+    """A plan's "module:function", imported."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(module), function)

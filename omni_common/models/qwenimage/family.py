@@ -51,7 +51,9 @@ MODULES = ModuleDeclaration(
 
 # How the DiT splits over the devices of one replica (--devices): its image tokens split across
 # the ranks, its text tokens replicated (a prompt of any length, masks unchanged); the joint
-# attention exchanges heads for tokens (Ulysses) around diffusers' attention call.
+# attention exchanges heads for tokens (Ulysses): in its own processor, which starts the exchange
+# while it projects (ulysses.py), or around diffusers' attention call where that processor cannot
+# take the layers (FP8).
 PARALLEL = SequenceParallelPlan(
     module="transformer",
     tokens="hidden_states",
@@ -60,6 +62,7 @@ PARALLEL = SequenceParallelPlan(
     rotary_output=0,
     attention="diffusers.models.transformers.transformer_qwenimage:dispatch_attention_fn",
     heads="num_attention_heads",
+    overlapped="omni_common.models.qwenimage.ulysses:install",
 )
 
 OPTIONS = (

@@ -1,0 +1,100 @@
+"""Qwen-Image's spread attention that projects by destination rank (ulysses.py), on two gloo
+ranks of real processes: it is installed by the family's plan, and a spread forward through it
+equals the one-process forward and the generic path's (diffusers' processor, its attention
+function wrapped). The tiny fixture's 3 heads split 2 + 1 and 35 image tokens 18 + 17, so
+uneven shares run both ways; two prompts of different lengths make the text mask real."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from diffusers.models.transformers.transformer_qwenimage import (
+    QwenDoubleStreamAttnProcessor2_0,
+    QwenImageTransformer2DModel,
+)
+
+from omni_common.execution.fp8 import float8_unsupported, to_float8
+from omni_common.models.qwenimage.family import PARALLEL
+from omni_common.models.qwenimage.ulysses import SpreadAttention, install
+
+pytestmark = pytest.mark.slow
+
+TOLERANCE = 1e-5  # fp32; the ranks sum attention's keys in another order
+GRID = (1, 5, 7)  # frames, rows, columns of 2x2 patches: 35 image tokens
+
+
+def _inputs(transformer: QwenImageTransformer2DModel) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    config = transformer.config
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # the second prompt is 4 tokens, padded to 6
+    return {
+        "hidden_states": torch.randn(2, GRID[0] * GRID[1] * GRID[2], config.in_channels, generator=generator),
+        "encoder_hidden_states": torch.randn(2, 6, config.joint_attention_dim, generator=generator),
+        "encoder_hidden_states_mask": mask,
+        "timestep": torch.tensor([0.7, 0.3]),
+        "img_shapes": [[GRID]] * 2,
+        "return_dict": False,
+    }
+
+
+def _rank(rank: int, store: str, model: str, results: Any) -> None:
+    from omni_common.runtime.sequence_parallel import SequenceParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        transformer = QwenImageTransformer2DModel.from_pretrained(Path(model) / "transformer").eval()
+        spread = SequenceParallel(SimpleNamespace(transformer=transformer), PARALLEL, 2)
+        installed = [
+            type(block.attn.processor) is SpreadAttention for block in transformer.transformer_blocks
+        ]
+        inputs = _inputs(transformer)
+        with torch.no_grad():
+            alone = transformer(**inputs)[0]
+            with spread.use(spread.full):
+                overlapped = transformer(**inputs)[0]
+            for block in transformer.transformer_blocks:  # the generic path: diffusers' processor
+                block.attn.processor = QwenDoubleStreamAttnProcessor2_0()
+            with spread.use(spread.full):
+                wrapped = transformer(**inputs)[0]
+        results.put((rank, installed, alone, overlapped, wrapped))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_spread_forward_through_the_overlapped_attention_is_the_one_process_forward(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [
+        context.Process(target=_rank, args=(rank, str(tmp_path / "store"), str(tiny_model), results))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    got = sorted(results.get(timeout=300) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    for rank, installed, alone, overlapped, wrapped in got:
+        assert installed == [True, True], rank
+        assert float((overlapped - alone).abs().max()) <= TOLERANCE, rank
+        assert float((overlapped - wrapped).abs().max()) <= TOLERANCE, rank
+        assert not torch.equal(alone, torch.zeros_like(alone))
+
+
+@pytest.mark.skipif(bool(float8_unsupported(torch.device("cpu"))), reason="no FP8 products on this CPU")
+def test_fp8_layers_keep_diffusers_processor_for_the_generic_path(tiny_model: Path) -> None:
+    transformer = QwenImageTransformer2DModel.from_pretrained(tiny_model / "transformer")
+    to_float8(transformer.transformer_blocks[1].attn.to_k)
+    processors = [block.attn.processor for block in transformer.transformer_blocks]
+    assert install(transformer, SimpleNamespace(group=None, token_shares=[])) is False
+    assert [block.attn.processor for block in transformer.transformer_blocks] == processors
+    assert not any(hasattr(block.attn, "ulysses_qkv") for block in transformer.transformer_blocks)
