@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omni_common.runtime.parallel_mode import CFG_PARALLEL_TOKENS, POLICIES, SEQUENCE_PARALLEL_TOKENS
 from omni_common.runtime.settings import ENV_PREFIX, add_flags, setting, values_from
 from omni_common.stages import DECODE_MODES, MAX_BATCH, MAX_QUEUE, STAGE_TABLE, STAGES
 
@@ -298,18 +299,19 @@ class StageConfig(ServiceConfig):
         "dit-denoise over several devices: auto picks per request (a lone large request split over "
         "the devices, CFG parallel or sequence parallel; otherwise each request on one device, "
         "several at once); sequence-parallel splits every request; data-parallel never does",
-        choices=("auto", "sequence-parallel", "data-parallel"),
+        choices=POLICIES,
     )
     cfg_parallel_tokens: int = setting(
-        8192,
+        CFG_PARALLEL_TOKENS,
         "dit-denoise, --parallel-mode auto: a lone request with true CFG runs its two branches on "
         "the two halves of the devices from this many image tokens a step (CFG counted twice; "
-        "Qwen-Image: 8192 = 1024x1024 with CFG)",
+        "Qwen-Image: 2048 = 512x512 with CFG)",
     )
     sequence_parallel_tokens: int = setting(
-        4096,
+        SEQUENCE_PARALLEL_TOKENS,
         "dit-denoise, --parallel-mode auto: a lone request is split over the devices (Ulysses) from "
-        "this many image tokens a step (Qwen-Image: 4096 = 1024x1024)",
+        "this many image tokens a step (Qwen-Image: 1024 = 512x512); each size at or above it that "
+        "--capture-sizes names adds its spread forwards to the start",
     )
 
 

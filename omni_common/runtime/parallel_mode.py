@@ -9,20 +9,16 @@ changes.
 - cfg-parallel: with true CFG, the two halves of the ranks run one branch each.
 - sequence-parallel: every rank holds the request and runs a share of its image tokens (Ulysses).
 
-The thresholds come from measurements on 2 GPUs of one host, Qwen-Image at real size. One
-replica over both, 20 steps, 2 GPUs / 1 GPU (issue 35, before the ranks had the one-device
-execution): 1024x1024 with CFG 0.557 (CFG parallel pays); 512x512 with CFG 1.29 (slower).
-One forward per rank (benchmarks/dit_parallel.py, 2 H200s, blocks compiled): spread over both
-GPUs against alone on one, 74 ms against 32 (replayed) at 512x512, 81 against 124 (0.66) at
-1024x1024, 422 against 751 (0.56) at 2048x2048. So, in image tokens of one step with CFG
-counted twice (Qwen-Image: (W/16)(H/16), 4096 at 1024x1024): CFG parallel from 8192 (1024x1024
-with CFG), sequence parallel from 4096 (1024x1024), and below them one rank per request. A
-second request in flight goes to another rank whatever its size: two requests on two devices
-at once beat two requests split over both, one after the other, by the collectives' whole cost.
-The workers now replay spread forwards as CUDA graphs too (26.7 ms against 32.2 at 512x512 in
-that forward-only run). In the replica, a lone 512x512 request kept on one rank runs at 1.003 of
-a one-GPU replica (1.011 with CFG; 2 H200s, pipelined steps); spreading it has not been timed
-there, so the thresholds stay until it is (docs/benchmarks.md).
+The thresholds come from measurements in the replica: 2 H100s of one host, Qwen-Image at real
+size, 20 steps, a lone request, 2 GPUs / 1 GPU (docs/benchmarks.md, 2026-11-27, the spread
+attention overlapping its all-to-alls). Spread at 512x512: 0.828 without CFG (sequence
+parallel), 0.58 with it (CFG parallel); kept on one rank it ran at 1.003 and 1.011. At
+1024x1024: 0.651 and 0.52. In image tokens of one step with CFG counted twice (Qwen-Image:
+(W/16)(H/16), 1024 at 512x512): CFG parallel from 2048 and sequence parallel from 1024
+(512x512), below them one rank per request (smaller images were not timed spread). A second
+request in flight goes to another rank whatever its size: two requests on two devices at once
+beat two requests split over both, one after the other, by the collectives' whole cost (8 at
+once at 512x512: 1.869x the images/s of one GPU).
 """
 
 from __future__ import annotations
@@ -43,6 +39,9 @@ SEQUENCE_PARALLEL = "sequence-parallel"
 COLLECTIVE = (CFG_PARALLEL, SEQUENCE_PARALLEL)  # the modes whose states live on every rank
 # --parallel-mode: auto chooses per request; the others force where requests live.
 POLICIES = ("auto", SEQUENCE_PARALLEL, DATA_PARALLEL)
+# auto's thresholds, in image tokens of one step (CFG counted twice): 512x512 both.
+CFG_PARALLEL_TOKENS = 2048
+SEQUENCE_PARALLEL_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -53,8 +52,8 @@ class ParallelPolicy:
     # data-parallel: every request on one rank.
     mode: str = "auto"
     # Image tokens of one step (CFG counted twice) from which a lone request is split.
-    cfg_parallel_tokens: int = 8192
-    sequence_parallel_tokens: int = 4096
+    cfg_parallel_tokens: int = CFG_PARALLEL_TOKENS
+    sequence_parallel_tokens: int = SEQUENCE_PARALLEL_TOKENS
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
