@@ -10,15 +10,20 @@ changes.
 - sequence-parallel: every rank holds the request and runs a share of its image tokens (Ulysses).
 
 The thresholds come from measurements in the replica: 2 H100s of one host, Qwen-Image at real
-size, 20 steps, a lone request, 2 GPUs / 1 GPU (docs/benchmarks.md, 2026-11-27, the spread
-attention overlapping its all-to-alls). Spread at 512x512: 0.828 without CFG (sequence
-parallel), 0.58 with it (CFG parallel); kept on one rank it ran at 1.003 and 1.011. At
-1024x1024: 0.651 and 0.52. In image tokens of one step with CFG counted twice (Qwen-Image:
-(W/16)(H/16), 1024 at 512x512): CFG parallel from 2048 and sequence parallel from 1024
-(512x512), below them one rank per request (smaller images were not timed spread). A second
-request in flight goes to another rank whatever its size: two requests on two devices at once
-beat two requests split over both, one after the other, by the collectives' whole cost (8 at
-once at 512x512: 1.869x the images/s of one GPU).
+size, 20 steps, 2 GPUs / 1 GPU (docs/benchmarks.md, 2026-11-27, the spread attention
+overlapping its all-to-alls). A lone request at 1024x1024: 0.614 spread, 0.518 with CFG. At
+512x512: 0.533 with CFG (CFG parallel; 1.011 on one rank), 0.764 spread without CFG (1.003 on
+one rank). But a forward spread at 512x512 keeps both GPUs busy for 0.76 of one GPU's time,
+1.5x the GPU time: with the policy spreading a lone 512x512 request, 8 requests at once made
+1.475x the images/s of one GPU, against 1.869x with each on one rank (the first of a burst
+arrives alone and spreads, the others step beside it). CFG parallel costs no more GPU time (each
+rank runs one branch; one gather of the prediction a step). Hence, in image tokens of one step
+with CFG counted twice (Qwen-Image: (W/16)(H/16), 1024 at 512x512): CFG parallel from 2048
+(512x512 with CFG), sequence parallel from 4096 (1024x1024), below them one rank per request
+(smaller images were not timed spread). `--sequence-parallel-tokens 1024` trades throughput
+under load for a lone 512x512 request's latency. A second request in flight goes to another
+rank whatever its size: two requests on two devices at once beat two requests split over
+both, one after the other, by the collectives' whole cost.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ SEQUENCE_PARALLEL = "sequence-parallel"
 COLLECTIVE = (CFG_PARALLEL, SEQUENCE_PARALLEL)  # the modes whose states live on every rank
 # --parallel-mode: auto chooses per request; the others force where requests live.
 POLICIES = ("auto", SEQUENCE_PARALLEL, DATA_PARALLEL)
-# auto's thresholds, in image tokens of one step (CFG counted twice): 512x512 both.
+# auto's thresholds, in image tokens of one step (CFG counted twice): 512x512 with CFG, 1024x1024.
 CFG_PARALLEL_TOKENS = 2048
-SEQUENCE_PARALLEL_TOKENS = 1024
+SEQUENCE_PARALLEL_TOKENS = 4096
 
 
 @dataclass(frozen=True)
