@@ -35,7 +35,7 @@ from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 from torch.nn import functional as F
 
-from omni_common.execution.spread import Spread, finish, shares, start_all_to_all
+from omni_common.execution.spread import Spread, SpreadGroup, finish, shares, start_all_to_all
 
 JOINT = "ulysses_qkv"  # the attention module's buffer of joint q/k/v rows, head by head
 
@@ -87,12 +87,10 @@ class SpreadAttention(QwenDoubleStreamAttnProcessor2_0):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         group = self.spread.group
-        if (
-            group is None
-            or encoder_hidden_states is None
-            or attention_mask is not None
-            or image_rotary_emb is None
-        ):
+        spreads = (
+            encoder_hidden_states is not None and attention_mask is None and image_rotary_emb is not None
+        )
+        if group is None or not spreads:
             plain: Any = super().__call__  # diffusers types its tensors as FloatTensor
             return plain(
                 attn,
@@ -102,85 +100,111 @@ class SpreadAttention(QwenDoubleStreamAttnProcessor2_0):
                 attention_mask,
                 image_rotary_emb,
             )
-        tokens, me, size = self.spread.token_shares, group.rank, group.size
-        batch, length = hidden_states.shape[0], encoder_hidden_states.shape[1]
-        heads, dim = shares(attn.heads, size), attn.inner_dim // attn.heads
-        bounds = [sum(heads[:r]) for r in range(size + 1)]
+        assert encoder_hidden_states is not None and image_rotary_emb is not None
+        split = _Split(attn, group.rank, group.size, self.spread.token_shares)
         image_freqs, text_freqs = image_rotary_emb
-
-        def image_heads(r: int) -> torch.Tensor:
-            """This rank's image tokens with rank r's heads: [B, n, h_r, 3 (q k v), D]."""
-            rows = slice(3 * dim * bounds[r], 3 * dim * bounds[r + 1])
-            joint = F.linear(hidden_states, getattr(attn, JOINT)[rows], getattr(attn, f"{JOINT}_bias")[rows])
-            q, k, v = joint.unflatten(-1, (heads[r], 3, dim)).unbind(-2)
-            q = _rotate(attn.norm_q(q), image_freqs)
-            k = _rotate(attn.norm_k(k), image_freqs)
-            return torch.stack([q, k, v], dim=-2)
-
         # 1. Other ranks' heads first, and off they go.
-        sent = [0 if r == me else batch * tokens[me] * heads[r] * 3 * dim for r in range(size)]
-        received = [0 if r == me else batch * tokens[r] * heads[me] * 3 * dim for r in range(size)]
-        pending = start_all_to_all(
-            _joined([image_heads(r).reshape(-1) for r in range(size) if r != me]), sent, received, group
-        )
+        me, per_token = split.me, hidden_states.shape[0] * 3 * split.dim
+        sent = [0 if r == me else per_token * split.tokens[me] * h for r, h in enumerate(split.heads)]
+        received = [0 if r == me else per_token * n * split.mine for r, n in enumerate(split.tokens)]
+        heads = [_image_heads(attn, hidden_states, image_freqs, split, r).reshape(-1) for r in split.others]
+        pending = start_all_to_all(_joined(heads), sent, received, group)
         # 2. This rank's heads, image and text, while they move.
-        local = image_heads(me)
-        text = [
-            F.linear(
-                encoder_hidden_states,
-                layer.weight[bounds[me] * dim : bounds[me + 1] * dim],
-                _rows(layer, bounds, me, dim),
-            ).unflatten(-1, (heads[me], dim))
-            for layer in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-        ]
-        text_q = _rotate(attn.norm_added_q(text[0]), text_freqs)
-        text_k = _rotate(attn.norm_added_k(text[1]), text_freqs)
+        local = _image_heads(attn, hidden_states, image_freqs, split, split.me)
+        text_q, text_k, text_v = _text_heads(attn, encoder_hidden_states, text_freqs, split)
         # 3. Every rank's image tokens with this rank's heads, after the text.
-        shapes = [(0,) if r == me else (batch, tokens[r], heads[me], 3, dim) for r in range(size)]
-        parts = finish(pending, received, shapes)
-        image = torch.cat([local if r == me else parts[r] for r in range(size)], dim=1)
+        batch = hidden_states.shape[0]
+        shapes = [(batch, n, split.mine, 3, split.dim) for n in split.tokens]
+        parts = finish(pending, received, [(0,) if r == me else shape for r, shape in enumerate(shapes)])
+        image = torch.cat([local if r == me else part for r, part in enumerate(parts)], dim=1)
         query, key, value = (
-            torch.cat([t, image[..., i, :]], dim=1) for i, t in enumerate((text_q, text_k, text[2]))
+            torch.cat([t, image[..., i, :]], dim=1) for i, t in enumerate((text_q, text_k, text_v))
         )
         mask = encoder_hidden_states_mask
         if mask is not None:
-            image_keys = torch.ones((batch, sum(tokens)), dtype=torch.bool, device=mask.device)
+            image_keys = torch.ones((batch, sum(split.tokens)), dtype=torch.bool, device=mask.device)
             mask = torch.cat([mask, image_keys], dim=1)[:, None, None, :]
         # diffusers' own function: the generic path wraps the name in transformer_qwenimage.
         out = dispatch_attention_fn(
             query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=self._attention_backend
         ).to(query.dtype)  # [B, L + N, h, D]
-        # 4. Back: rank r gets its tokens and the text, with this rank's heads. While they move,
-        # this rank's heads of its own tokens go through their columns of the output projection.
-        text_out, image_out = out[:, :length], out[:, length:].tensor_split(size, dim=1)
-        sent = [0 if r == me else batch * (tokens[r] + length) * heads[me] * dim for r in range(size)]
-        received = [0 if r == me else batch * (tokens[me] + length) * heads[r] * dim for r in range(size)]
-        pieces = [torch.cat([image_out[r].reshape(-1), text_out.reshape(-1)]) for r in range(size) if r != me]
-        pending = start_all_to_all(_joined(pieces), sent, received, group)
-        output = attn.to_out[0]
-        columns = [output.weight[:, bounds[r] * dim : bounds[r + 1] * dim] for r in range(size)]
-        image_attn = F.linear(image_out[me].flatten(2), columns[me], output.bias)
-        parts = finish(pending, received, [(count,) for count in received])
-        text_parts = []
-        for r in range(size):
-            if r == me:
-                text_parts.append(text_out.flatten(2))
-                continue
-            cut = batch * tokens[me] * heads[r] * dim
-            image_attn = image_attn + F.linear(parts[r][:cut].reshape(batch, tokens[me], -1), columns[r])
-            text_parts.append(parts[r][cut:].reshape(batch, length, heads[r] * dim))
-        if len(attn.to_out) > 1:
-            image_attn = attn.to_out[1](image_attn)  # dropout
-        return image_attn, attn.to_add_out(torch.cat(text_parts, dim=-1))
+        return _back(attn, out, encoder_hidden_states.shape[1], split, group)
+
+
+class _Split:
+    """How one spread forward divides a block's attention: this rank (`me`) of `size`, each
+    rank's heads and image tokens, the head size."""
+
+    def __init__(self, attn: Any, me: int, size: int, tokens: list[int]) -> None:
+        self.me, self.size, self.tokens = me, size, tokens
+        self.heads = shares(attn.heads, size)
+        self.dim = attn.inner_dim // attn.heads
+        self.mine = self.heads[me]
+        self.first = [sum(self.heads[:r]) for r in range(size + 1)]  # rank r's heads: first[r]:first[r + 1]
+        self.others = [r for r in range(size) if r != me]
+
+    def columns(self, r: int) -> slice:
+        """Rank r's heads in a [heads x dim] axis."""
+        return slice(self.first[r] * self.dim, self.first[r + 1] * self.dim)
+
+
+def _image_heads(
+    attn: Any, hidden_states: torch.Tensor, freqs: torch.Tensor, split: _Split, r: int
+) -> torch.Tensor:
+    """This rank's image tokens with rank r's heads: [B, n, h_r, 3 (q k v), D], q and k normed
+    and rotated."""
+    rows = slice(3 * split.dim * split.first[r], 3 * split.dim * split.first[r + 1])
+    joint = F.linear(hidden_states, getattr(attn, JOINT)[rows], getattr(attn, f"{JOINT}_bias")[rows])
+    q, k, v = joint.unflatten(-1, (split.heads[r], 3, split.dim)).unbind(-2)
+    return torch.stack([_rotate(attn.norm_q(q), freqs), _rotate(attn.norm_k(k), freqs), v], dim=-2)
+
+
+def _text_heads(
+    attn: Any, encoder_hidden_states: torch.Tensor, freqs: torch.Tensor, split: _Split
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The text's q, k, v with this rank's heads [B, L, h, D]: its rows of the text layers."""
+    rows = split.columns(split.me)
+    q, k, v = (
+        F.linear(
+            encoder_hidden_states, layer.weight[rows], None if layer.bias is None else layer.bias[rows]
+        ).unflatten(-1, (split.mine, split.dim))
+        for layer in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    )
+    return _rotate(attn.norm_added_q(q), freqs), _rotate(attn.norm_added_k(k), freqs), v
+
+
+def _back(
+    attn: Any, out: torch.Tensor, length: int, split: _Split, group: SpreadGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4. Rank r gets its tokens and the text, with this rank's heads. While they move, this
+    rank's heads of its own tokens go through their columns of the output projection; the
+    others' add theirs as they arrive. Returns (image, text) outputs, as diffusers' processor."""
+    me, tokens, batch = split.me, split.tokens, out.shape[0]
+    text_out, image_out = out[:, :length], out[:, length:].tensor_split(split.size, dim=1)
+    count = batch * split.dim
+    sent = [0 if r == me else count * (n + length) * split.mine for r, n in enumerate(tokens)]
+    received = [0 if r == me else count * (tokens[me] + length) * h for r, h in enumerate(split.heads)]
+    pieces = [torch.cat([image_out[r].reshape(-1), text_out.reshape(-1)]) for r in split.others]
+    pending = start_all_to_all(_joined(pieces), sent, received, group)
+    output = attn.to_out[0]
+    image = F.linear(image_out[me].flatten(2), output.weight[:, split.columns(me)], output.bias)
+    parts = finish(pending, received, [(n,) for n in received])
+    text = [text_out.flatten(2) if r == me else None for r in range(split.size)]
+    for r in split.others:
+        cut = count * tokens[me] * split.heads[r]
+        image = image + F.linear(
+            parts[r][:cut].reshape(batch, tokens[me], split.heads[r] * split.dim),
+            output.weight[:, split.columns(r)],
+        )
+        text[r] = parts[r][cut:].reshape(batch, length, split.heads[r] * split.dim)
+    if len(attn.to_out) > 1:
+        image = attn.to_out[1](image)  # dropout
+    return image, attn.to_add_out(torch.cat([t for t in text if t is not None], dim=-1))
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
     """Flat pieces as one buffer (a lone piece as it is: no copy)."""
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
-def _rows(layer: torch.nn.Linear, bounds: list[int], rank: int, dim: int) -> torch.Tensor | None:
-    return None if layer.bias is None else layer.bias[bounds[rank] * dim : bounds[rank + 1] * dim]
 
 
 def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
