@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from omni_common.runtime.config import StageConfig
+from typing import Protocol
 
 log = logging.getLogger("omnistage.parallel_mode")
 
@@ -47,6 +44,19 @@ POLICIES = ("auto", SEQUENCE_PARALLEL, DATA_PARALLEL)
 # auto's thresholds, in image tokens of one step (CFG counted twice): 512x512 with CFG, 1024x1024.
 CFG_PARALLEL_TOKENS = 2048
 SEQUENCE_PARALLEL_TOKENS = 4096
+
+
+class PolicySettings(Protocol):
+    """The stage settings a policy reads (StageConfig's --parallel-mode and thresholds)."""
+
+    @property
+    def parallel_mode(self) -> str: ...
+
+    @property
+    def cfg_parallel_tokens(self) -> int: ...
+
+    @property
+    def sequence_parallel_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class ParallelPolicy:
             raise ValueError(f"parallel mode {self.mode!r}; it is one of {', '.join(POLICIES)}")
 
     @classmethod
-    def of(cls, config: StageConfig) -> ParallelPolicy:
+    def of(cls, config: PolicySettings) -> ParallelPolicy:
         """The policy a stage's settings name."""
         return cls(config.parallel_mode, config.cfg_parallel_tokens, config.sequence_parallel_tokens)
 
