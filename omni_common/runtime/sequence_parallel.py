@@ -20,7 +20,10 @@ Not bitwise the one-device forward: attention sums its keys in another order. Ho
 of the model): a forward pre-hook splits the image tokens, a hook on the rotary module splits its
 per-token embeddings, a hook on the DiT gathers its output, and the attention function the plan
 names is replaced in its module by a wrapper (in the device worker processes only, which run
-nothing else); every hook passes through untouched while no group is in use (`use`).
+nothing else); every hook passes through untouched while no group is in use (`use`). A family
+may also install attention of its own (the plan's `overlapped`, Qwen-Image's ulysses.py) that
+starts the all-to-all before it has projected every head, so the tensors move while it
+projects the rest; the wrapper then serves only the layers that one declines (FP8).
 
 Why not diffusers' own context parallel (0.42, `enable_parallelism` with the model's `_cp_plan`):
 it cannot start without an accelerator (it takes the rank modulo the accelerator count: gloo on
