@@ -56,6 +56,29 @@ def _rank(rank: int, store: str, model: str, results: Any) -> None:
         dist.destroy_process_group()
 
 
+def _compiled_order(rank: int, store: str, model: str, results: Any) -> None:
+    """The code inductor writes for one spread block: where the first all-to-all starts and
+    is waited for, against the products between."""
+    from torch._inductor.utils import run_and_get_code
+
+    from omni_common.runtime.sequence_parallel import SequenceParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        transformer = QwenImageTransformer2DModel.from_pretrained(Path(model) / "transformer").eval()
+        spread = SequenceParallel(SimpleNamespace(transformer=transformer), PARALLEL, 2)
+        transformer.transformer_blocks[0].compile(fullgraph=True)
+        inputs = _inputs(transformer)
+        with torch.no_grad(), spread.use(spread.full):
+            _, code = run_and_get_code(lambda: transformer(**inputs))
+        results.put((rank, "\n".join(code)))
+    except Exception as error:  # the parent reports it instead of waiting out its timeout
+        results.put((rank, f"FAILED {type(error).__name__}: {error}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
 def _forwards(model: str) -> tuple[Any, ...]:
     """Whether every block took the processor, and the forward alone, spread through it, and
     spread through the generic path."""
@@ -78,13 +101,12 @@ def _forwards(model: str) -> tuple[Any, ...]:
     return installed, *(t.numpy() for t in (alone, overlapped, wrapped))
 
 
-def test_a_spread_forward_through_the_overlapped_attention_is_the_one_process_forward(
-    tiny_model: Path, tmp_path: Path
-) -> None:
+def _on_two_ranks(target: Any, tiny_model: Path, tmp_path: Path) -> list[tuple[Any, ...]]:
+    """What `target` put on the queue in each of two gloo ranks, by rank; both exited cleanly."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     ranks = [
-        context.Process(target=_rank, args=(rank, str(tmp_path / "store"), str(tiny_model), results))
+        context.Process(target=target, args=(rank, str(tmp_path / "store"), str(tiny_model), results))
         for rank in range(2)
     ]
     for process in ranks:
@@ -97,14 +119,40 @@ def test_a_spread_forward_through_the_overlapped_attention_is_the_one_process_fo
         for process in ranks:
             if process.is_alive():
                 process.kill()
-    failed = [item for item in got if isinstance(item[1], str)]
+    failed = [item for item in got if isinstance(item[1], str) and item[1].startswith("FAILED")]
     assert not failed, failed
     assert [process.exitcode for process in ranks] == [0, 0]
+    return got
+
+
+def test_a_spread_forward_through_the_overlapped_attention_is_the_one_process_forward(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    got = _on_two_ranks(_rank, tiny_model, tmp_path)
     for rank, installed, alone, overlapped, wrapped in got:
         assert installed == [True, True], rank
         assert np.abs(overlapped - alone).max() <= TOLERANCE, rank
         assert np.abs(overlapped - wrapped).max() <= TOLERANCE, rank
         assert np.abs(alone).max() > 0
+
+
+def test_the_compiled_block_projects_its_own_heads_while_the_others_move(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The overlap is an order in the compiled code: the first all-to-all starts, this rank's
+    and the text's products run, then it is waited for (inductor put the wait right after the
+    start until `overlap_collectives` sank it to its first use)."""
+    for rank, code in _on_two_ranks(_compiled_order, tiny_model, tmp_path):
+        calls = [line.strip() for line in code.splitlines() if not line.strip().startswith("#")]
+        start = next(i for i, line in enumerate(calls) if "all_to_all_single.default(" in line)
+        wait = next(i for i, line in enumerate(calls) if "wait_tensor.default(" in line)
+        between = [
+            line
+            for line in calls[start:wait]
+            if "extern_kernels.addmm(" in line or "extern_kernels.mm(" in line
+        ]
+        # This rank's heads (one product) and the text's q, k, v (three).
+        assert len(between) >= 4, (rank, calls[start:wait])
 
 
 @pytest.mark.skipif(bool(float8_unsupported(torch.device("cpu"))), reason="no FP8 products on this CPU")
