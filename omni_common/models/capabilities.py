@@ -104,6 +104,19 @@ class ExportsPrefixes(Protocol):
 
 
 @runtime_checkable
+class PlacesRequests(Protocol):
+    """A StepRunner that places each request it prepares (a replica over several devices: on
+    one device or spread over all), better knowing how many more are on their way: the
+    scheduler prepares through `prepare_among`, with the requests its call announced behind it
+    (StageCall.followers: a burst the earlier stage takes in waves) and those being admitted
+    beside it."""
+
+    def prepare_among(self, request: GenerationRequest, inputs: StageState, arriving: int) -> StepState:
+        """`prepare`, with `arriving` more requests expected within moments."""
+        ...
+
+
+@runtime_checkable
 class PrefillsInChunks(Protocol):
     """A generator that prefills a long prompt a chunk per step, between the decode steps of
     the requests already running (chunked prefill); the stage's metrics count its chunks."""

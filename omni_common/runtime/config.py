@@ -310,8 +310,8 @@ class StageConfig(ServiceConfig):
     sequence_parallel_tokens: int = setting(
         SEQUENCE_PARALLEL_TOKENS,
         "dit-denoise, --parallel-mode auto: a lone request is split over the devices (Ulysses) from "
-        "this many image tokens a step (Qwen-Image: 4096 = 1024x1024; 1024 = 512x512 is faster "
-        "alone, slower under load); each size at or above it in --capture-sizes adds its spread "
+        "this many image tokens a step (Qwen-Image: 1024 = 512x512); a burst its call announces "
+        "runs a request per device; each size at or above it in --capture-sizes adds its spread "
         "forwards to the start",
     )
 

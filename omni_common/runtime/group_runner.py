@@ -66,8 +66,13 @@ class GroupRunner:
         self._placed: dict[int, tuple[int, ...]] = {}  # the ranks of each state in flight
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> GroupState:
+        return self.prepare_among(request, inputs, arriving=0)
+
+    def prepare_among(self, request: GenerationRequest, inputs: StageState, arriving: int) -> GroupState:
         """Prepared first on the least loaded rank (its step cost sizes the choice), then, for a
-        collective mode, on the other ranks too."""
+        collective mode, on the other ranks too. The mode counts the states in flight and the
+        `arriving` requests (PlacesRequests): a burst's first request does not spread over the
+        ranks its followers would step on."""
         if request.loras:  # the adapters would have to reach every device worker (lora_layers)
             raise Unimplemented(
                 "LoRA adapters are not available on a dit-denoise replica over several devices; "
@@ -79,7 +84,7 @@ class GroupRunner:
         command = commands.Prepare(sid, request, dict(inputs.meta))
         prepared = self.group.call(command, inputs.tensors, ranks=[first])[0].reply.value
         assert isinstance(prepared, commands.Prepared)
-        batch = 1 + len(self._placed)
+        batch = 1 + len(self._placed) + max(0, arriving)
         mode = choose_mode(batch, prepared.cost, request.do_true_cfg, world, self.policy)
         self.modes.chose(mode, batch, prepared.cost, request.do_true_cfg)
         ranks: tuple[int, ...] = (first,)

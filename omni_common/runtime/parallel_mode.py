@@ -13,17 +13,19 @@ The thresholds come from measurements in the replica: 2 H100s of one host, Qwen-
 size, 20 steps, 2 GPUs / 1 GPU (docs/benchmarks.md, 2026-11-27, the spread attention
 overlapping its all-to-alls). A lone request at 1024x1024: 0.614 spread, 0.518 with CFG. At
 512x512: 0.533 with CFG (CFG parallel; 1.011 on one rank), 0.764 spread without CFG (1.003 on
-one rank). But a forward spread at 512x512 keeps both GPUs busy for 0.76 of one GPU's time,
-1.5x the GPU time: with the policy spreading a lone 512x512 request, 8 requests at once made
-1.475x the images/s of one GPU, against 1.869x with each on one rank (the first of a burst
-arrives alone and spreads, the others step beside it). CFG parallel costs no more GPU time (each
-rank runs one branch; one gather of the prediction a step). Hence, in image tokens of one step
-with CFG counted twice (Qwen-Image: (W/16)(H/16), 1024 at 512x512): CFG parallel from 2048
-(512x512 with CFG), sequence parallel from 4096 (1024x1024), below them one rank per request
-(smaller images were not timed spread). `--sequence-parallel-tokens 1024` trades throughput
-under load for a lone 512x512 request's latency. A second request in flight goes to another
-rank whatever its size: two requests on two devices at once beat two requests split over
-both, one after the other, by the collectives' whole cost.
+one rank). Hence, in image tokens of one step with CFG counted twice (Qwen-Image: (W/16)(H/16),
+1024 at 512x512): CFG parallel from 2048 (512x512 with CFG), sequence parallel from 1024
+(512x512), below them one rank per request (smaller images were not timed spread).
+
+Spreading costs GPU time under load: a forward spread at 512x512 keeps both GPUs busy for 0.76
+of one GPU's time, 1.5x the GPU time (CFG parallel costs none: each rank runs one branch, one
+gather of the prediction a step). So the batch counts the requests known to be arriving as well
+as those in flight: a second request goes to another rank whatever its size (two requests on two
+devices at once beat two requests split over both, one after the other, by the collectives'
+whole cost), and a burst's first request, whose call announces the others (the coordinator's
+followers), starts on one rank too. Before the followers counted, 8 requests at once at 512x512
+made 1.475x the images/s of one GPU with a lone request spread, against 1.869x with each on one
+rank: the burst's first request had arrived alone and spread.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ SEQUENCE_PARALLEL = "sequence-parallel"
 COLLECTIVE = (CFG_PARALLEL, SEQUENCE_PARALLEL)  # the modes whose states live on every rank
 # --parallel-mode: auto chooses per request; the others force where requests live.
 POLICIES = ("auto", SEQUENCE_PARALLEL, DATA_PARALLEL)
-# auto's thresholds, in image tokens of one step (CFG counted twice): 512x512 with CFG, 1024x1024.
+# auto's thresholds, in image tokens of one step (CFG counted twice): 512x512 with CFG, 512x512.
 CFG_PARALLEL_TOKENS = 2048
-SEQUENCE_PARALLEL_TOKENS = 4096
+SEQUENCE_PARALLEL_TOKENS = 1024
 
 
 class PolicySettings(Protocol):
@@ -81,8 +83,9 @@ class ParallelPolicy:
 
 
 def choose_mode(batch: int, tokens: int, cfg: bool, world: int, policy: ParallelPolicy) -> str:
-    """The mode of a new request: `batch` states in flight counting it, `tokens` image tokens of
-    its step (CFG counted twice), true CFG or not, over `world` ranks."""
+    """The mode of a new request: `batch` states in flight counting it and the requests known to
+    be arriving, `tokens` image tokens of its step (CFG counted twice), true CFG or not, over
+    `world` ranks."""
     if world < 2:
         return ONE_DEVICE
     cfg_splits = cfg and world % 2 == 0
@@ -122,6 +125,7 @@ class ModeLog:
     def chose(self, mode: str, batch: int, tokens: int, cfg: bool) -> None:
         if mode != self.last:
             log.info(
-                "parallel mode %s (requests in flight %d, step tokens %d, cfg %s)", mode, batch, tokens, cfg
+                "parallel mode %s (requests in flight or arriving %d, step tokens %d, cfg %s)",
+                *(mode, batch, tokens, cfg),
             )
             self.last = mode

@@ -44,7 +44,7 @@ import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted, Unavailable
 from omni_common.models.base import StageState, StepRunner, StepState
-from omni_common.models.capabilities import HasIdleWork, PrefillsInChunks, StreamingRunner
+from omni_common.models.capabilities import HasIdleWork, PlacesRequests, PrefillsInChunks, StreamingRunner
 from omni_common.net import tracing
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
 from omni_common.runtime.step_jobs import Event, Job, Launched, advance, joined, log_steps, preview_png
@@ -138,6 +138,14 @@ class StepScheduler:
     def queued_work(self) -> int:
         return sum((job.state.total_steps - job.state.step_index) * job.cost for job in self.jobs)
 
+    def _prepare(self, call: StageCall) -> StepState:
+        """The runner's prepare; a runner that places requests learns how many more are coming
+        (the call's followers and the others being admitted now)."""
+        if isinstance(self.runner, PlacesRequests):
+            arriving = call.followers + self._admitting - 1
+            return self.runner.prepare_among(call.request, call.inputs, arriving)
+        return self.runner.prepare(call.request, call.inputs)
+
     async def run(self, call: StageCall) -> AsyncIterator[Progress | StageState]:
         """Admit one request and stream its progress, then its result."""
         # Requests still being prepared count: a burst must not pass the bound while the first
@@ -151,7 +159,7 @@ class StepScheduler:
             )
         self._admitting += 1
         try:
-            state = await self.compute(self.runner.prepare, call.request, call.inputs)
+            state = await self.compute(self._prepare, call)
             if call.resume is not None:
                 try:
                     await self.compute(self.runner.restore, state, call.resume)

@@ -26,10 +26,10 @@ AT_512, AT_1024, AT_2048 = 1024, 4096, 16384
 @pytest.mark.parametrize(
     ("batch", "tokens", "cfg", "world", "mode"),
     [
-        # 2 H100s, the replica, 2 GPUs / 1 GPU at 512: CFG parallel 0.533 (no more GPU time);
-        # spread without CFG 0.764 alone, but 8 at once then made 1.475x one GPU's images/s
-        # against 1.869x with each request on one rank.
-        (1, AT_512, False, 2, ONE_DEVICE),
+        # 2 H100s, the replica, 2 GPUs / 1 GPU at 512: CFG parallel 0.533 (no more GPU time),
+        # spread without CFG 0.764 (a burst's requests count as in flight: one rank each).
+        (1, AT_512, False, 2, SEQUENCE_PARALLEL),
+        (1, AT_512 // 2, False, 2, ONE_DEVICE),
         (1, 2 * AT_512, True, 2, CFG_PARALLEL),
         (1, AT_512 // 2, True, 2, ONE_DEVICE),  # 362x362 with CFG: not timed spread
         (1, AT_1024, False, 2, SEQUENCE_PARALLEL),
@@ -41,7 +41,7 @@ AT_512, AT_1024, AT_2048 = 1024, 4096, 16384
         (2, AT_2048, False, 2, DATA_PARALLEL),  # two requests on two devices at once
         (2, 2 * AT_1024, True, 2, DATA_PARALLEL),
         (2, AT_2048, False, 4, SEQUENCE_PARALLEL),  # two devices would stay idle otherwise
-        (3, AT_512, False, 4, DATA_PARALLEL),
+        (4, AT_512, False, 4, DATA_PARALLEL),
         (8, AT_512, False, 2, DATA_PARALLEL),
         (1, AT_2048, True, 1, ONE_DEVICE),  # one device: nothing to choose
     ],
@@ -73,7 +73,8 @@ def test_a_forced_policy_holds_whatever_the_shape() -> None:
     ("rows", "tokens", "world", "policy", "spread"),
     [
         (1, AT_1024, 2, AUTO, True),  # sequence parallel
-        (1, AT_512, 2, AUTO, False),  # one device; with CFG, each branch alone on one
+        (1, AT_512, 2, AUTO, True),  # sequence parallel; with CFG, each branch alone on one
+        (1, AT_512 // 2, 2, AUTO, False),
         (2, AT_2048, 2, AUTO, False),  # a second request goes to the other device
         (1, AT_1024, 3, AUTO, True),
         (1, AT_512 * 2, 3, AUTO, True),  # with CFG (counted twice) on an odd world: sequence parallel
@@ -104,7 +105,7 @@ def test_the_choice_is_logged_when_it_changes(caplog: pytest.LogCaptureFixture) 
         for mode, batch in [(ONE_DEVICE, 1), (ONE_DEVICE, 1), (DATA_PARALLEL, 2), (ONE_DEVICE, 1)]:
             modes.chose(mode, batch, AT_512, False)
     assert [record.getMessage() for record in caplog.records] == [
-        "parallel mode one-device (requests in flight 1, step tokens 1024, cfg False)",
-        "parallel mode data-parallel (requests in flight 2, step tokens 1024, cfg False)",
-        "parallel mode one-device (requests in flight 1, step tokens 1024, cfg False)",
+        "parallel mode one-device (requests in flight or arriving 1, step tokens 1024, cfg False)",
+        "parallel mode data-parallel (requests in flight or arriving 2, step tokens 1024, cfg False)",
+        "parallel mode one-device (requests in flight or arriving 1, step tokens 1024, cfg False)",
     ]

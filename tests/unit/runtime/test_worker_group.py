@@ -224,6 +224,28 @@ def test_steps_are_sent_ahead_and_each_command_gets_its_own_answer(
     assert float((latents - alone.latents).abs().max()) <= TOLERANCE
 
 
+def scheduled(runner: GroupRunner, call: StageCall) -> StageState:
+    """`call`'s result through a StepScheduler over `runner` (its server device is the CPU)."""
+
+    async def main() -> StageState:
+        executor = ThreadPoolExecutor(max_workers=1)
+
+        async def compute(fn: Callable[..., Any], *args: Any) -> Any:
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+        scheduler = StepScheduler(runner, compute)
+        try:
+            async for event in scheduler.run(call):
+                if isinstance(event, StageState):
+                    return event
+            raise AssertionError("no result")
+        finally:
+            scheduler.close()
+            executor.shutdown()
+
+    return asyncio.run(main())
+
+
 def test_the_scheduler_sends_each_step_before_reading_the_last_ones_answer(
     group: WorkerGroup, local: QwenImageDenoiser
 ) -> None:
@@ -238,25 +260,9 @@ def test_the_scheduler_sends_each_step_before_reading_the_last_ones_answer(
         unread.append(len(group._unread[0]))  # this command and those before it not yet read
         return sent
 
-    async def main() -> StageState:
-        executor = ThreadPoolExecutor(max_workers=1)
-
-        async def compute(fn: Callable[..., Any], *args: Any) -> Any:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-
-        scheduler = StepScheduler(runner, compute)
-        try:
-            async for event in scheduler.run(StageCall(request_id="r", request=request, inputs=inputs)):
-                if isinstance(event, StageState):
-                    return event
-            raise AssertionError("no result")
-        finally:
-            scheduler.close()
-            executor.shutdown()
-
     group.send = counted  # type: ignore[method-assign]
     try:
-        result = asyncio.run(main())
+        result = scheduled(runner, StageCall(request_id="r", request=request, inputs=inputs))
     finally:
         del group.send
     assert max(unread) >= 2, unread
@@ -345,3 +351,22 @@ def test_auto_splits_a_large_request_and_keeps_small_ones_on_one_rank(
     assert checkpoint is not None and checkpoint.meta["step_index"] == "0"
     runner.release(apart)
     assert runner.prepare(*second).ranks == (0, 1)  # alone again: split
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_burst_s_first_request_starts_on_one_rank(group: WorkerGroup, local: QwenImageDenoiser) -> None:
+    """Thresholds lowered to the tiny images, so that a lone request spreads: one whose call
+    announces a follower (the coordinator's count of requests like it still in the steps
+    before) starts on one rank through the scheduler, leaving the other rank to the follower,
+    and runs there bitwise as on one device."""
+    ((request, inputs),) = requests(False, 1)
+    runner = GroupRunner(group, ParallelPolicy(cfg_parallel_tokens=1, sequence_parallel_tokens=1))
+    lone = scheduled(runner, StageCall(request_id="lone", request=request, inputs=inputs))
+    assert runner.modes.last == "sequence-parallel"
+    burst = scheduled(runner, StageCall(request_id="first", request=request, inputs=inputs, followers=1))
+    assert runner.modes.last == "data-parallel"
+    state = local.prepare(request, inputs)
+    while not local.is_done(state):
+        local.step([state])
+    assert torch.equal(burst.tensors["latents"], state.latents)
+    assert float((lone.tensors["latents"] - state.latents).abs().max()) <= TOLERANCE
