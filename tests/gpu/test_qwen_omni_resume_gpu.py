@@ -69,11 +69,12 @@ def test_token2wav_replayed_as_cuda_graphs_makes_the_eager_mel(
     thinker: Thinker, omni_model: Path, compile: bool, tolerance: float
 ) -> None:
     """Each RK4 interval replayed as a CUDA graph (one per batch and window length), its DiT
-    forward compiled or not, two requests batched, streamed: the eager forwards' chunks (the
+    forward compiled or not, three requests batched (a replay's rows padded to four), streamed:
+    the eager forwards' chunks (the
     captured kernels; within float rounding should a product's kernel differ under capture, or
     the compiler's fused kernels add in another order)."""
     talker = Talker.load(omni_model, CPU, torch.float32)
-    gens = [request(seed=seed, stream_audio=1) for seed in (6, 7)]
+    gens = [request(seed=seed, stream_audio=1) for seed in (6, 7, 8)]
     rows = [run_role(thinker, [gen], [[]])[0] for gen in gens]
     codes = [run_role(talker, [gen], [r])[0] for gen, r in zip(gens, rows, strict=True)]
     eager = run_role(Token2Wav.load(omni_model, CUDA), gens, codes)
@@ -99,7 +100,7 @@ def test_the_vocoder_replayed_as_cuda_graphs_makes_the_eager_samples(
     """Each BigVGAN window replayed as a CUDA graph (the common windows captured while idle, the
     rest at first use), two streamed requests batched: the eager samples within float rounding."""
     talker, token2wav = Talker.load(omni_model, CPU, torch.float32), Token2Wav.load(omni_model, CPU)
-    gens = [request(seed=seed, stream_audio=1) for seed in (6, 7)]
+    gens = [request(seed=seed, stream_audio=1) for seed in (6, 7, 8)]
     mels = []
     for gen in gens:
         (rows,) = run_role(thinker, [gen], [[]])

@@ -52,10 +52,16 @@ class QwenOmniStage:
                 )
                 self.talker, self._runners["talker"] = talker.model, talker
         elif stage == "dit-denoise":
-            from omni_common.models.qwen_omni.token2wav import Token2Wav
+            from omni_common.models.qwen_omni.token2wav import MAX_OPEN, Token2Wav
 
             options = context.denoiser
-            token2wav = Token2Wav.load(model_dir, context.device, options.cuda_graphs, options.compile)
+            token2wav = Token2Wav.load(
+                model_dir,
+                context.device,
+                options.cuda_graphs,
+                options.compile,
+                max_open=min(MAX_OPEN, context.max_batch),
+            )
             self.dit, self._runners["token2wav"] = token2wav.dit, token2wav
         else:
             from omni_common.models.qwen_omni.vocoder import Vocoder

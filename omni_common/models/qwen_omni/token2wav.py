@@ -19,8 +19,17 @@ Two modes (option stream_audio):
   `look_backward_layers`), so one forward of a window computes the chunk's frames exactly. The
   ODE is not: 36 evaluations let context errors creep in (measured in docs/families.md). The
   windows are fixed by the frame count alone, never by timing, so a request's audio is the same
-  however fast its codes arrive (a takeover replica makes the same windows). The first audio
-  leaves after 24 codes instead of after the whole reply.
+  however fast its codes arrive (a takeover replica makes the same windows), up to the float
+  rounding of the rows a product is batched with. The first audio leaves after 24 codes instead
+  of after the whole reply.
+
+A window depends on its codes and its noise alone, never on the mel of the one before, so the
+windows of one utterance whose codes are here solve together (up to MAX_OPEN, rows of one forward,
+each at its own RK4 interval): when the talker is ahead, as it is when token2wav sets the pace,
+an interval of several windows costs about what one window's costs (a window's forward is small
+and launch-bound on a GPU). A window joins the open ones only at their length (the first two
+windows and the last are shorter), and the windows close in the order they opened, so the chunks
+leave in order.
 
 Chunks (take_partial): "mel" [mel_dim, n] float32, the chunk's frames, and "lookahead"
 [mel_dim, m], the window's frames after them (provisional: the next chunk makes them again; the
@@ -54,9 +63,13 @@ from omni_common.models.qwen_omni.resume import GENERATOR, generator_state, meta
 
 FIRST_BLOCKS, CHUNK_BLOCKS, PAST_BLOCKS, FUTURE_BLOCKS = 1, 3, 2, 1
 # (batch, blocks) of the streamed windows every reply solves: the first (FIRST_BLOCKS and the
-# future), the second (from frame 0), the steady ones (past, chunk, future); a pair batched.
-WARM_SHAPES = ((1, 2), (1, 5), (1, 6), (2, 6))
+# future), the second (from frame 0), the steady ones (past, chunk, future); two and MAX_OPEN
+# batched (a replayed batch is padded to a power of two).
+WARM_SHAPES = ((1, 2), (1, 5), (1, 6), (2, 6), (4, 6))
 SWAY = -1.0  # Qwen2_5OmniToken2WavModel's sway_coefficient
+# Windows of one utterance solved together (the stage's --max-batch, rows of a forward, bounds it
+# too: at 1, one window a forward, and a reply's mel depends on its codes alone, bit for bit).
+MAX_OPEN = 4
 
 
 @dataclass(eq=False)
@@ -85,8 +98,9 @@ class Token2WavState(StepState):
     ended: bool = False
     noise: torch.Tensor | None = None  # [1, frames drawn - noise_from, mel_dim]
     noise_from: int = 0  # the first frame `noise` holds (earlier ones no window reads again)
-    window: Window | None = None
-    frames_done: int = 0
+    windows: list[Window] = field(default_factory=list)  # open, oldest first, of one length
+    frames_opened: int = 0  # the last frame kept of the windows opened so far
+    frames_done: int = 0  # ... and of those solved
     # (first frame, the chunk's mel [D, n], the window's provisional frames after it [D, m])
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chunks_sent: int = 0
@@ -115,8 +129,10 @@ class Token2Wav:
         device: torch.device,
         cuda_graphs: bool = False,
         compile: bool = False,
+        max_open: int = MAX_OPEN,
     ) -> None:
         self.dit = dit
+        self.max_open = max_open
         self.speakers = speakers
         self.device = device
         # One compile for every batch and window length (dynamic shapes); graphs per shape.
@@ -140,13 +156,19 @@ class Token2Wav:
 
     @classmethod
     def load(
-        cls, model_dir: Path, device: torch.device, cuda_graphs: bool = False, compile: bool = False
+        cls,
+        model_dir: Path,
+        device: torch.device,
+        cuda_graphs: bool = False,
+        compile: bool = False,
+        max_open: int = MAX_OPEN,
     ) -> Token2Wav:
         config = load_config(model_dir).token2wav_config
         token2wav = load_part(
             Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
         )
-        return cls(token2wav.code2wav_dit_model, load_speakers(model_dir), device, cuda_graphs, compile)
+        dit = token2wav.code2wav_dit_model
+        return cls(dit, load_speakers(model_dir), device, cuda_graphs, compile, max_open)
 
     def prepare(self, request: GenerationRequest, inputs: StageState) -> Token2WavState:
         voice = speaker(self.speakers, speaker_of(request))
@@ -180,13 +202,13 @@ class Token2Wav:
         state.ended = state.ended or end
 
     def _next_window(self, state: Token2WavState) -> tuple[int, int, int, int] | None:
-        """(start, end, out_start, out_end) of the next window whose codes are all here."""
+        """(start, end, out_start, out_end) of the next window to open, if its codes are all here."""
         frames = len(state.codes) * self.repeats
-        if state.frames_done >= frames and state.ended:
+        if state.frames_opened >= frames and state.ended:
             return None
         if not state.streamed:
             return (0, frames, 0, frames) if state.ended else None
-        out_start = state.frames_done
+        out_start = state.frames_opened
         out_end = out_start + (CHUNK_BLOCKS if out_start else FIRST_BLOCKS) * self.block
         if not state.ended and frames < out_end + FUTURE_BLOCKS * self.block:
             return None
@@ -196,7 +218,7 @@ class Token2Wav:
 
     def ready(self, state: StepState) -> bool:
         assert isinstance(state, Token2WavState)
-        return state.window is not None or self._next_window(state) is not None or self.is_done(state)
+        return bool(state.windows) or self._next_window(state) is not None or self.is_done(state)
 
     def _on_device(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         """`values` as a tensor on the device, copied without waiting for the work queued there
@@ -222,21 +244,26 @@ class Token2Wav:
         return state.noise
 
     def _open(self, state: Token2WavState) -> None:
-        bounds = self._next_window(state)
-        if bounds is None or state.window is not None:
-            return
-        start, end, out_start, out_end = bounds
+        """Open the windows whose codes are here, up to `max_open`, at the open ones' length."""
         limit = self.dit.config.max_position_embeddings
-        if end > limit:
-            raise InvalidArgument(f"the reply's mel is {end} frames; token2wav holds at most {limit}")
-        codes = self._on_device([state.codes[start // self.repeats : end // self.repeats]], torch.long)
-        noise = self._noise(state, end)[:, start - state.noise_from : end - state.noise_from]
-        state.window = Window(start, end, out_start, out_end, noise.clone(), codes)
+        while len(state.windows) < self.max_open and (bounds := self._next_window(state)) is not None:
+            start, end, out_start, out_end = bounds
+            if state.windows and end - start != state.windows[0].y.shape[1]:
+                return
+            if end > limit:
+                raise InvalidArgument(f"the reply's mel is {end} frames; token2wav holds at most {limit}")
+            codes = self._on_device([state.codes[start // self.repeats : end // self.repeats]], torch.long)
+            noise = self._noise(state, end)[:, start - state.noise_from : end - state.noise_from]
+            state.windows.append(Window(start, end, out_start, out_end, noise.clone(), codes))
+            state.frames_opened = out_end
 
     def batch_key(self, state: StepState) -> Hashable:
         assert isinstance(state, Token2WavState)
-        bounds = (state.window.start, state.window.end) if state.window else self._next_window(state)
-        length = 0 if bounds is None else bounds[1] - bounds[0]
+        if state.windows:
+            length = state.windows[0].y.shape[1]
+        else:
+            bounds = self._next_window(state)
+            length = 0 if bounds is None else bounds[1] - bounds[0]
         return (length, tuple(state.ref_mel.shape), state.guidance >= 1e-5)
 
     def step_cost(self, state: StepState) -> int:
@@ -244,42 +271,46 @@ class Token2Wav:
 
     @torch.no_grad()
     def step(self, states: Sequence[StepState]) -> None:
-        """One RK4 interval of every state's window (a window opens when its codes are here)."""
+        """One RK4 interval of every state's open windows (windows open when their codes are
+        here), one forward per window length."""
         live = [s for s in states if isinstance(s, Token2WavState)]
         for state in live:
             self._open(state)
-        live = [s for s in live if s.window is not None]
-        if not live:
-            return
-        windows = [s.window for s in live if s.window]
-        frames = windows[0].y.shape[1]
-        inputs = {
-            "y": torch.cat([w.y for w in windows]),
-            "start": torch.stack([s.times[w.interval] for s, w in zip(live, windows, strict=True)]),
-            "end": torch.stack([s.times[w.interval + 1] for s, w in zip(live, windows, strict=True)]),
-            "speaker": torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s in live]),
-            "reference": torch.cat([s.ref_mel for s in live]),
-            "codes": torch.cat([w.codes for w in windows]),
-            "guidance": torch.cat([s.scale for s in live]),
-        }
-        y = self._run(inputs, cfg=live[0].guidance >= 1e-5)
-        for state, window, row in zip(live, windows, y.split(1), strict=True):
-            window.y = row
-            window.interval += 1
-            if window.interval == state.total_steps:
+        by_length: dict[tuple[int, bool], list[tuple[Token2WavState, Window]]] = {}
+        for state in live:
+            for window in state.windows:
+                by_length.setdefault((window.y.shape[1], state.guidance >= 1e-5), []).append((state, window))
+        for (frames, cfg), rows in by_length.items():
+            inputs = {
+                "y": torch.cat([w.y for _, w in rows]),
+                "start": torch.stack([s.times[w.interval] for s, w in rows]),
+                "end": torch.stack([s.times[w.interval + 1] for s, w in rows]),
+                "speaker": torch.cat([s.cond.unsqueeze(1).repeat(1, frames, 1) for s, _ in rows]),
+                "reference": torch.cat([s.ref_mel for s, _ in rows]),
+                "codes": torch.cat([w.codes for _, w in rows]),
+                "guidance": torch.cat([s.scale for s, _ in rows]),
+            }
+            for (_, window), y in zip(rows, self._run(inputs, cfg).split(1), strict=True):
+                window.y = y
+                window.interval += 1
+        for state in live:
+            while state.windows and state.windows[0].interval == state.total_steps:
                 self._close(state)
 
     def _run(self, inputs: dict[str, torch.Tensor], cfg: bool) -> torch.Tensor:
-        """One RK4 interval of a batch: replayed as a CUDA graph where one is kept, else eager."""
+        """One RK4 interval of a batch: replayed as a CUDA graph where one is kept, its rows
+        padded to a power of two (copies of the last, dropped after), else eager."""
 
         def interval(given: dict[str, torch.Tensor]) -> torch.Tensor:
             return self._interval(given, cfg)
 
         if self.graphs is not None:
-            key = (cfg, *(tuple(value.shape) for value in inputs.values()))
-            y = self.graphs.run(key, inputs, interval, decision_key="interval")
+            rows = inputs["y"].shape[0]
+            padded = {name: _pad_rows(value, 1 << (rows - 1).bit_length()) for name, value in inputs.items()}
+            key = (cfg, *(tuple(value.shape) for value in padded.values()))
+            y = self.graphs.run(key, padded, interval, decision_key="interval")
             if y is not None:
-                return y
+                return y[:rows]
         return interval(inputs)
 
     def _interval(self, given: dict[str, torch.Tensor], cfg: bool) -> torch.Tensor:
@@ -342,14 +373,13 @@ class Token2Wav:
         return len(self._unwarmed)
 
     def _close(self, state: Token2WavState) -> None:
-        window = state.window
-        assert window is not None
+        """The oldest open window is solved: its chunk is pending."""
+        window = state.windows.pop(0)
         mel = window.y[0].transpose(0, 1)
         kept = mel[:, window.out_start - window.start : window.out_end - window.start].contiguous()
         lookahead = mel[:, window.out_end - window.start :].contiguous()
         state.pending.append((window.out_start, kept, lookahead))
         state.frames_done = window.out_end
-        state.window = None
         # Later windows start at most PAST_BLOCKS before the next chunk: the noise before is done.
         keep = max(0, state.frames_done - PAST_BLOCKS * self.block)
         if state.noise is not None and keep > state.noise_from:
@@ -367,21 +397,24 @@ class Token2Wav:
 
     def is_done(self, state: StepState) -> bool:
         assert isinstance(state, Token2WavState)
-        return state.ended and state.window is None and not state.pending and self._next_window(state) is None
+        return state.ended and not state.windows and not state.pending and self._next_window(state) is None
 
     def is_finite(self, state: StepState) -> bool | torch.Tensor:
         assert isinstance(state, Token2WavState)
-        return True if state.window is None else torch.isfinite(state.window.y).all()
+        if not state.windows:
+            return True
+        return torch.stack([torch.isfinite(window.y).all() for window in state.windows]).all()
 
     def preview(self, state: StepState) -> np.ndarray | None:
         return None
 
     def checkpoint(self, state: StepState) -> StageState | None:
-        """Once per window solved (None in between, while one is being solved, and for a
-        one-shot request, whose one window ends it): the noise later windows read, the
-        generator, the frames and chunks done."""
+        """Once per window solved, its chunk taken (None in between, and for a one-shot
+        request, whose one window ends it): the noise drawn from where the next window to solve
+        reads (windows open after it are solved again on a resume), the generator, the frames
+        and chunks done."""
         assert isinstance(state, Token2WavState)
-        if not state.streamed or state.window is not None or state.pending:
+        if not state.streamed or state.pending:
             return None
         if state.frames_done <= state.checkpointed:
             return None
@@ -411,7 +444,7 @@ class Token2Wav:
         restore_generator(state.generator, checkpoint)
         state.noise = noise.to(self.device, torch.float32)
         state.noise_from = noise_from
-        state.frames_done = state.checkpointed = frames_done
+        state.frames_done = state.checkpointed = state.frames_opened = frames_done
 
     def finish(self, state: StepState) -> StageState:
         assert isinstance(state, Token2WavState)
@@ -424,3 +457,9 @@ class Token2Wav:
         if self.graphs is not None:
             self.graphs.clear()
             self._unwarmed = list(WARM_SHAPES)
+
+
+def _pad_rows(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """`value` with copies of its last row appended up to `rows` rows."""
+    missing = rows - value.shape[0]
+    return value if missing == 0 else torch.cat([value, value[-1:].expand(missing, *value.shape[1:])])

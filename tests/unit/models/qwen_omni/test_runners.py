@@ -20,7 +20,7 @@ from omni_common.models.base import GenerationRequest, StageState, StepState
 from omni_common.models.qwen_omni.reference import reference_generate
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
-from omni_common.models.qwen_omni.token2wav import WARM_SHAPES, Token2Wav
+from omni_common.models.qwen_omni.token2wav import MAX_OPEN, WARM_SHAPES, Token2Wav
 from omni_common.models.qwen_omni.vocoder import WARM_WINDOWS, Vocoder
 
 CPU = torch.device("cpu")
@@ -191,6 +191,39 @@ def test_requests_batched_in_one_step_get_their_lone_results(roles: Roles) -> No
         assert torch.equal(batched.text_ids, alone.text_ids)
         assert torch.equal(batched.codes, alone.codes)
         torch.testing.assert_close(batched.waveform, alone.waveform, rtol=0, atol=1e-5)
+
+
+def test_an_utterances_windows_whose_codes_are_here_solve_together(roles: Roles) -> None:
+    """Codes arriving faster than token2wav solves (a talker ahead, 7 codes a step): each window
+    opens once its codes are here and joins the open ones at its own RK4 interval, so the reply
+    takes fewer steps than one window at a time, with the same chunks up to the rounding of
+    batched products (measured 7e-7)."""
+    gen = request(seed=8, stream_audio=1)
+    codes = torch.randint(0, roles.token2wav.codes_limit, (300,), generator=torch.Generator().manual_seed(8))
+    ahead = roles.token2wav
+    one_by_one = Token2Wav(ahead.dit, ahead.speakers, CPU, max_open=1)
+    runs = []
+    for role in (ahead, one_by_one):
+        state, chunks, steps, most_open = role.prepare(gen, StageState({"codes": codes[:7]})), [], 0, 0
+        for piece in codes[7:].split(7):
+            role.feed(state, StageState({"codes": piece}), False)
+            role.step([state])
+            steps += 1
+            most_open = max(most_open, len(state.windows))
+            chunks.extend([] if (partial := role.take_partial(state)) is None else [partial])
+        role.feed(state, StageState({}), True)
+        while not role.is_done(state):
+            role.step([state])
+            steps += 1
+            most_open = max(most_open, len(state.windows))
+            chunks.extend([] if (partial := role.take_partial(state)) is None else [partial])
+        runs.append((chunks, steps, most_open))
+    (together, steps, most_open), (alone, alone_steps, alone_open) = runs
+    assert alone_open == 1 and 1 < most_open <= MAX_OPEN and steps < alone_steps, (steps, alone_steps)
+    assert [c.meta for c in together] == [c.meta for c in alone] and len(alone) == 9
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a.tensors["mel"], b.tensors["mel"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.tensors["lookahead"], b.tensors["lookahead"], rtol=0, atol=1e-5)
 
 
 def _runs_its_idle_work_once(role: Any, shapes: Sequence[tuple[int, int]]) -> None:
