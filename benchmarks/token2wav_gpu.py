@@ -4,18 +4,20 @@ stepped together, and how far each setting's mel is from eager float32's.
 
     omnistage fixture --family qwen2.5-omni /tmp/qwen-omni-full --random-weights full
     python benchmarks/token2wav_gpu.py --model /tmp/qwen-omni-full [--codes 240] [--batch 1 8] \
-        [--modes eager graphs compiled graphs:tf32 compiled:tf32]
+        [--modes eager graphs compiled graphs:tf32 compiled:tf32 graphs:bf16] [--max-open 1] [--profile 20]
 
 Each utterance is `--codes` random codec tokens (240 = 4.8 s of audio), streamed: the windows
 the stage solves as the codes arrive, all codes here at once. A mode is eager, graphs (each
 interval a CUDA graph) or compiled (the same with the DiT's forward compiled: the stage's
-defaults on a GPU), with `:tf32` for the stage's --float32-matmul-precision high. Per mode and
+defaults on a GPU), with `:tf32` for the stage's --float32-matmul-precision high, `:bf16` for the
+DiT's weights and forwards in bfloat16 (the solver in float32). Per mode and
 batch size: the median device time of a step (CUDA events around `Token2Wav.step`, as the step
 scheduler logs it), the median host time inside `step` (launching it), the wall time of the
 batch over the seconds of audio its utterances make (the real-time factor of token2wav alone;
 the first pass, which captures the graphs, is a warm-up and not timed), and the first
 utterance's mel against the first mode's (relative L2 error and the largest difference). One
-JSON line each.
+JSON line each. With `--profile N`, then the N kernels that took the most device time over the
+batch's steps (the profiler's CUDA activity), each per step: where an interval's time goes.
 """
 
 from __future__ import annotations
@@ -29,10 +31,19 @@ from pathlib import Path
 import torch
 
 from omni_common.models.base import GenerationRequest, StageState
-from omni_common.models.qwen_omni.token2wav import Token2Wav, Token2WavState
+from omni_common.models.qwen_omni.token2wav import MAX_OPEN, Token2Wav, Token2WavState
 
 SAMPLE_RATE, HOP = 24000, 240  # the vocoder's output rate and mel frames' hop
-MODES = ("eager", "graphs", "compiled", "graphs:tf32", "compiled:tf32")
+MODES = (
+    "eager",
+    "graphs",
+    "compiled",
+    "eager:tf32",
+    "graphs:tf32",
+    "compiled:tf32",
+    "graphs:bf16",
+    "compiled:bf16",
+)
 
 
 def emit(row: dict[str, object]) -> None:
@@ -91,6 +102,28 @@ def solve(role: Token2Wav, batch: int, codes: int) -> tuple[dict[str, float], to
     }, torch.cat(mels, dim=1)
 
 
+def kernels(role: Token2Wav, batch: int, codes: int, top: int) -> list[dict[str, object]]:
+    """The `top` kernels by device time over one more solve of `batch` utterances, per step."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        timings, _ = solve(role, batch, codes)
+    steps = int(timings["steps"])
+    rows = [e for e in profile.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in rows)
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    out: list[dict[str, object]] = [{"kernels_ms_per_step": round(total / 1e3 / steps, 3)}]
+    for e in rows[:top]:
+        out.append(
+            {
+                "kernel": e.key[:90],
+                "calls_per_step": round(e.count / steps, 1),
+                "ms_per_step": round(e.device_time_total / 1e3 / steps, 3),
+                "share": round(e.device_time_total / total, 3),
+            }
+        )
+    return out
+
+
 def difference(mel: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
     """How far `mel` is from `reference`: relative L2 error, largest absolute difference."""
     error = (mel - reference).norm() / reference.norm()
@@ -111,6 +144,15 @@ def main() -> None:
     parser.add_argument(
         "--modes", nargs="+", default=list(MODES), choices=MODES, help="the first is the mels' reference"
     )
+    parser.add_argument(
+        "--max-open",
+        type=int,
+        default=MAX_OPEN,
+        help="windows of one utterance solved together (1: one at a time)",
+    )
+    parser.add_argument(
+        "--profile", type=int, default=0, help="the kernels taking most time to print; 0: none"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -118,10 +160,13 @@ def main() -> None:
     modes = args.modes if device.type == "cuda" else ["eager"]
     references: dict[int, torch.Tensor] = {}  # batch -> the first mode's mel of utterance 0
     for mode in modes:
-        execution, _, matmul = mode.partition(":")
-        torch.set_float32_matmul_precision("high" if matmul == "tf32" else "highest")
+        execution, _, precision = mode.partition(":")
+        torch.set_float32_matmul_precision("highest" if precision == "" else "high")
         graphs, compiled = execution != "eager", execution == "compiled"
-        role = Token2Wav.load(args.model, device, cuda_graphs=graphs, compile=compiled)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        role = Token2Wav.load(
+            args.model, device, cuda_graphs=graphs, compile=compiled, max_open=args.max_open, dtype=dtype
+        )
         started = time.perf_counter()
         while role.idle_work():  # what the stage does while idle: the compile, common graphs
             pass
@@ -131,6 +176,9 @@ def main() -> None:
             timings, mel = solve(role, batch, args.codes)
             reference = references.setdefault(batch, mel)
             emit({"mode": mode, "batch": batch, **timings, **difference(mel, reference)})
+            if args.profile and device.type == "cuda":
+                for row in kernels(role, batch, args.codes, args.profile):
+                    emit({"mode": mode, "batch": batch, **row})
         del role
         if device.type == "cuda":
             torch.cuda.empty_cache()

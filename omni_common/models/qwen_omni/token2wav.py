@@ -133,6 +133,8 @@ class Token2Wav:
     ) -> None:
         self.dit = dit
         self.max_open = max_open
+        # The DiT's own dtype (float32 as transformers runs it); the solver stays in float32.
+        self.dit_dtype = next(dit.parameters()).dtype
         self.speakers = speakers
         self.device = device
         # One compile for every batch and window length (dynamic shapes); graphs per shape.
@@ -144,6 +146,7 @@ class Token2Wav:
                 **dit.config.to_dict(),
                 "compiled": compile,
                 "matmul": torch.get_float32_matmul_precision(),
+                "dtype": str(self.dit_dtype),
             }
             decisions = decisions_for("token2wav-graphs", device, model)
             self.graphs = CudaGraphCache(device, decisions=decisions)
@@ -162,11 +165,10 @@ class Token2Wav:
         cuda_graphs: bool = False,
         compile: bool = False,
         max_open: int = MAX_OPEN,
+        dtype: torch.dtype = torch.float32,
     ) -> Token2Wav:
         config = load_config(model_dir).token2wav_config
-        token2wav = load_part(
-            Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, torch.float32
-        )
+        token2wav = load_part(Qwen2_5OmniToken2WavModel, config, model_dir, "token2wav", device, dtype)
         dit = token2wav.code2wav_dit_model
         return cls(dit, load_speakers(model_dir), device, cuda_graphs, compile, max_open)
 
@@ -331,14 +333,15 @@ class Token2Wav:
     ) -> torch.Tensor:
         """The guided ODE function of `sample` for every row, in one DiT forward (conditional
         and unconditional rows together)."""
+        dtype = self.dit_dtype
         output = self._forward(
-            hidden_states=y,
-            speaker_embedding=given["speaker"],
-            condition_vector=given["reference"],
+            hidden_states=y.to(dtype),
+            speaker_embedding=given["speaker"].to(dtype),
+            condition_vector=given["reference"].to(dtype),
             quantized_code=given["codes"],
-            time_step=time,
+            time_step=time.to(dtype),
             apply_cfg=cfg,
-        )
+        ).float()
         if not cfg:
             return cast(torch.Tensor, output)
         guided, null = torch.chunk(output, 2, dim=0)
