@@ -107,8 +107,8 @@ class DenoiserOptions:
     # scheduler calls the runner's idle_work (a one-device replica).
     defer_warm_up: bool = False
     # "fp8": the DiT's block products in float8_e4m3fn, per-row activation and per-channel
-    # weight scales (qwenimage/fp8.py); "none": the model dtype. Families that offer it list it in
-    # ModelCard.quantizations.
+    # weight scales (qwenimage/fp8.py); "bf16": a float32 DiT in bfloat16 (qwen_omni/token2wav.py);
+    # "none": the model dtype. Families that offer it list it in ModelCard.quantizations.
     quantization: str = "none"
 
 

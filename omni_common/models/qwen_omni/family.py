@@ -73,6 +73,7 @@ class QwenOmniFamily:
         # The token2wav DiT's solver steps and guidance (Qwen2_5OmniToken2WavModel's defaults).
         defaults={"num_inference_steps": 10, "true_cfg_scale": 0.5},
         dit_cuda_graphs=True,  # token2wav's forwards (token2wav.py)
+        quantizations=("bf16",),  # token2wav's DiT in bfloat16 (it runs in float32 otherwise)
     )
     roles: tuple[RoleSpec, ...] = ROLES
     modules: ModuleDeclaration | None = MODULES

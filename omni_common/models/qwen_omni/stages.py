@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from omni_common.models.base import Runner, StageContext, StageModel
@@ -61,6 +62,7 @@ class QwenOmniStage:
                 options.cuda_graphs,
                 options.compile,
                 max_open=min(MAX_OPEN, context.max_batch),
+                dtype=torch.bfloat16 if options.quantization == "bf16" else torch.float32,
             )
             self.dit, self._runners["token2wav"] = token2wav.dit, token2wav
         else:

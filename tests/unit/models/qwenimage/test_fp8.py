@@ -24,6 +24,7 @@ from omni_common.models.glm_image.family import GlmImageFamily
 from omni_common.models.lora_files import save_random_lora
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.execution import transformer_forward
+from omni_common.models.qwenimage.family import QwenImageFamily
 from omni_common.models.qwenimage.fp8 import quantize_blocks
 from omni_common.runtime.config import StageConfig, add_stage_args, stage_config
 from omni_common.runtime.hot_reload import planned_copies
@@ -121,6 +122,9 @@ def test_a_family_without_fp8_is_refused_at_start(glm_model: Path) -> None:
     refusal = r"dit-denoise: glm-image offers no --quantization fp8 \(offered: none\)"
     with pytest.raises(SystemExit, match=refusal):
         DenoiseWorker(config)
+    qwen_image = QwenImageFamily()  # bf16 is a float32 DiT's mode (Qwen2.5-Omni's token2wav)
+    with pytest.raises(Unimplemented, match=r"qwenimage offers no --quantization bf16 \(offered: fp8\)"):
+        qwen_image.card.check_quantization(qwen_image.name, "bf16")
 
 
 def test_the_flag_reaches_the_denoiser(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
