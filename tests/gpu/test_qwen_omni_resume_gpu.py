@@ -70,9 +70,8 @@ def test_token2wav_replayed_as_cuda_graphs_makes_the_eager_mel(
 ) -> None:
     """Each RK4 interval replayed as a CUDA graph (one per batch and window length), its DiT
     forward compiled or not, three requests batched (a replay's rows padded to four), streamed:
-    the eager forwards' chunks (the
-    captured kernels; within float rounding should a product's kernel differ under capture, or
-    the compiler's fused kernels add in another order)."""
+    the eager forwards' chunks (the captured kernels; within float rounding should a product's
+    kernel differ under capture, or the compiler's fused kernels add in another order)."""
     talker = Talker.load(omni_model, CPU, torch.float32)
     gens = [request(seed=seed, stream_audio=1) for seed in (6, 7, 8)]
     rows = [run_role(thinker, [gen], [[]])[0] for gen in gens]
