@@ -63,6 +63,7 @@ from omni_common.cluster import LocalCluster, loopback_plan
 from omni_common.models.qwen_omni.checkpoint import chat_input_ids
 from omni_common.models.qwen_omni.fixture import build_tiny_fixture
 from omni_common.models.qwen_omni.reference import load_model_on
+from omni_common.stages import MAX_BATCH
 
 PROMPT = "Tell me about the sea, in a few sentences."
 SAMPLE_RATE = 24_000
@@ -239,6 +240,12 @@ def main() -> None:
         help="the stages' --float32-matmul-precision (high: token2wav in TF32; auto: high on CUDA)",
     )
     parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "bf16"),
+        help="dit-denoise's --quantization (bf16: token2wav's DiT in bfloat16)",
+    )
+    parser.add_argument(
         "--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (chat template included)"
     )
     parser.add_argument(
@@ -266,6 +273,7 @@ def main() -> None:
             device=device_name(args.device),
             dtype=args.dtype,
             float32_matmul_precision=args.float32_matmul_precision,
+            quantization=args.quantization,
             prompt_tokens=ids.shape[1],
         )
         found: dict[tuple[str, int], dict[str, float]] = {}
@@ -333,8 +341,14 @@ def cluster_rows(
             "OMNISTAGE_MAX_QUEUE": str(2 * max(args.concurrency)),
             "OMNISTAGE_AR_DECODE": args.ar_decode,
             "OMNISTAGE_FLOAT32_MATMUL_PRECISION": args.float32_matmul_precision,
+            "OMNISTAGE_QUANTIZATION": args.quantization,
         }
         plan, timeout_s = loopback_plan(model, args.dtype, env), 1200.0
+        # That bound is for the thinker's and the talker's batch buckets. The other stages keep at
+        # least the default: token2wav's forwards hold an utterance's windows as rows too.
+        for proc in plan:
+            if proc.name != "ar-encoder":
+                proc.environment["OMNISTAGE_MAX_BATCH"] = str(max(MAX_BATCH, *args.concurrency))
     plan, metrics = bursts.with_metrics(plan, "ar-encoder")
     with LocalCluster(plan, log_dir=scratch, start_timeout_s=timeout_s) as cluster:
         # The thinker's and the talker's decode steps recorded at every batch bucket first.
