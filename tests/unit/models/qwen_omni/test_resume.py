@@ -115,6 +115,37 @@ def test_token2wav_restored_from_a_checkpoint_makes_the_uninterrupted_mel(
     assert_same_chunks(before + after, want)
 
 
+def test_token2wav_resumes_from_a_checkpoint_taken_with_later_windows_open(
+    models: tuple[Thinker, Talker, Token2Wav],
+) -> None:
+    """Codes coming 7 a step, so that windows are solved together: a checkpoint taken as one
+    closes while the next is open holds all the noise drawn and the generator after it; a state
+    restored from it solves the open windows again from the same noise and makes the
+    uninterrupted chunks (up to the rounding of rows batched differently)."""
+    token2wav = models[2]
+    gen = request(seed=8, stream_audio=1)
+    codes = torch.randint(0, token2wav.codes_limit, (300,), generator=torch.Generator().manual_seed(8))
+    pieces = [StageState({"codes": piece}) for piece in codes.split(7)]
+    want = run_role(token2wav, [gen], [pieces])[0]
+    state, before, fed = start(token2wav, gen, pieces[:1], feed=False), [], 1
+    while True:
+        assert fed < len(pieces), "no checkpoint came with a window open"
+        token2wav.feed(state, pieces[fed], False)
+        fed += 1
+        token2wav.step([state])
+        before.extend([] if (partial := token2wav.take_partial(state)) is None else [partial])
+        checkpoint = token2wav.checkpoint(state)
+        if checkpoint is not None and state.windows:
+            break
+    token2wav.release(state)
+    after = resumed(token2wav, gen, pieces, checkpoint)
+    got = before[: int(checkpoint.meta["chunks_sent"])] + after
+    assert [c.meta for c in got] == [c.meta for c in want] and len(want) == 9
+    for a, b in zip(got, want, strict=True):
+        for name in b.tensors:
+            torch.testing.assert_close(a.tensors[name], b.tensors[name], rtol=0, atol=1e-5)
+
+
 def test_a_one_shot_token2wav_gives_no_checkpoint(models: tuple[Thinker, Talker, Token2Wav]) -> None:
     """Its one window ends the request: a checkpoint of it would only restart it."""
     thinker, talker, token2wav = models
