@@ -99,8 +99,7 @@ class Token2WavState(StepState):
     noise: torch.Tensor | None = None  # [1, frames drawn - noise_from, mel_dim]
     noise_from: int = 0  # the first frame `noise` holds (earlier ones no window reads again)
     windows: list[Window] = field(default_factory=list)  # open, oldest first, of one length
-    frames_opened: int = 0  # the last frame kept of the windows opened so far
-    frames_done: int = 0  # ... and of those solved
+    frames_done: int = 0  # the last frame kept of the windows solved
     # (first frame, the chunk's mel [D, n], the window's provisional frames after it [D, m])
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     chunks_sent: int = 0
@@ -210,11 +209,12 @@ class Token2Wav:
     def _next_window(self, state: Token2WavState) -> tuple[int, int, int, int] | None:
         """(start, end, out_start, out_end) of the next window to open, if its codes are all here."""
         frames = len(state.codes) * self.repeats
-        if state.frames_opened >= frames and state.ended:
+        opened = state.windows[-1].out_end if state.windows else state.frames_done
+        if opened >= frames and state.ended:
             return None
         if not state.streamed:
             return (0, frames, 0, frames) if state.ended else None
-        out_start = state.frames_opened
+        out_start = opened
         out_end = out_start + (CHUNK_BLOCKS if out_start else FIRST_BLOCKS) * self.block
         if not state.ended and frames < out_end + FUTURE_BLOCKS * self.block:
             return None
@@ -261,7 +261,6 @@ class Token2Wav:
             codes = self._on_device([state.codes[start // self.repeats : end // self.repeats]], torch.long)
             noise = self._noise(state, end)[:, start - state.noise_from : end - state.noise_from]
             state.windows.append(Window(start, end, out_start, out_end, noise.clone(), codes))
-            state.frames_opened = out_end
 
     def batch_key(self, state: StepState) -> Hashable:
         assert isinstance(state, Token2WavState)
@@ -451,7 +450,7 @@ class Token2Wav:
         restore_generator(state.generator, checkpoint)
         state.noise = noise.to(self.device, torch.float32)
         state.noise_from = noise_from
-        state.frames_done = state.checkpointed = state.frames_opened = frames_done
+        state.frames_done = state.checkpointed = frames_done
 
     def finish(self, state: StepState) -> StageState:
         assert isinstance(state, Token2WavState)
