@@ -8,8 +8,8 @@ concurrency 1, 8 and 32, against
 - the attention alone at the thinker's shapes: one SDPA call per row (the eager decode's),
   one padded SDPA with a mask, one FlexAttention call with a block mask (the graphed decode's).
 Greedy, EOS off, the same prompt ids on every side. With `--parts agreement`: how often a row's
-greedy tokens inside a batch equal its lone run's (different prompts a row). One JSON line per
-result.
+greedy tokens inside a batch equal its lone run's (different prompts a row); `--parts talker`:
+Qwen2.5-Omni's talker per code against its own floor (`talker_codes`). One JSON line per result.
 
     python benchmarks/ar_generation.py --device cuda [--concurrency 1 8 32] [--new-tokens 256]
 """
@@ -33,6 +33,7 @@ from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.graphed_decode import decoder_of
 from omni_common.models.qwen_omni.fixture import build_tokenizer
 from omni_common.models.qwen_omni.processor import load_processor
+from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 
 PROMPT = " ".join(["Tell me a short story about a red kite over the sea."] * 5)
@@ -74,14 +75,14 @@ def build_thinker(device: torch.device) -> Any:
     return model.eval()
 
 
-def step_bytes(model: Any) -> int:
+def step_bytes(model: Any, *heads: torch.nn.Module) -> int:
     """What one decode step reads at least: the decoder's weights but the embedding table, and
-    the output head."""
+    the output head (or `heads`: the modules a step runs besides the decoder)."""
     decoder = decoder_of(model)
     embed = decoder.embed_tokens.weight  # type: ignore[union-attr]
     own = sum(p.numel() * p.element_size() for p in decoder.parameters() if p is not embed)
-    head = model.get_output_embeddings().weight
-    return own + head.numel() * head.element_size()
+    around = heads or (model.get_output_embeddings(),)
+    return own + sum(p.numel() * p.element_size() for head in around for p in head.parameters())
 
 
 def request(i: int, new_tokens: int) -> GenerationRequest:
@@ -94,12 +95,15 @@ def ours(
     concurrency: int,
     new_tokens: int,
     make: Callable[[int, int], GenerationRequest] | None = None,
+    inputs: Callable[[int], StageState] | None = None,
 ) -> dict[str, float]:
     """Milliseconds a decode step takes with `concurrency` rows (the steady state, after the
-    bucket's graph is recorded), and a prefill's. `make(i, new_tokens)`: request i."""
+    bucket's graph is recorded), and a prefill's. `make(i, new_tokens)`: request i;
+    `inputs(i)`: its stage inputs (none by default)."""
     make = make or request
+    inputs = inputs or (lambda i: StageState({}))
     started = time.perf_counter()
-    states = [thinker.prepare(make(i, new_tokens), StageState({})) for i in range(concurrency)]
+    states = [thinker.prepare(make(i, new_tokens), inputs(i)) for i in range(concurrency)]
     torch.cuda.synchronize()
     prefill_ms = (time.perf_counter() - started) * 1e3 / concurrency
     captures = thinker.graphed.captures if thinker.graphed else 0
@@ -112,7 +116,7 @@ def ours(
     for _ in range(steps):
         thinker.step(states)
         for state in states:
-            if isinstance(thinker, Thinker):
+            if isinstance(thinker, Thinker | Talker):
                 thinker.take_partial(state)
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - started) * 1e3 / steps
@@ -252,25 +256,34 @@ def graphed_ms(fn: Callable[[], Any], calls: int) -> float:
 
 
 @torch.no_grad()
-def profile_step(thinker: Thinker, rows: int) -> None:
+def profile_step(
+    runner: Any, rows: int, make: Callable[[int, int], GenerationRequest] = request, inputs: Any = None
+) -> None:
     """The kernels of `rows` rows' compiled step run unrecorded (what a graph replays), by GPU
-    time: where a step's time goes beyond the weight read."""
+    time, with the requests' own sampling: where a step's time goes beyond the weight read."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphed = thinker.graphed
+    graphed = runner.graphed
     assert graphed is not None
-    states = [thinker.prepare(request(i, 64), StageState({})) for i in range(rows)]
+    inputs = inputs or (lambda i: StageState({}))
+    states = [runner.prepare(make(i, 64), inputs(i)) for i in range(rows)]
+    sampling = states[0].sampling
     generators = [torch.Generator(graphed.device) for _ in range(rows)]
+
+    def step() -> None:
+        graphed._step(rows, sampling.processors, sampling.do_sample, generators)
+
     for _ in range(3):
-        graphed._step(rows, None, False, generators)
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            graphed._step(rows, None, False, generators)
+            step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=70))
     for state in states:
-        thinker.release(state)
+        runner.release(state)
+    runner.pending = None
 
 
 def glm_prior(args: argparse.Namespace, device: torch.device, rate: float) -> None:
@@ -302,6 +315,44 @@ def glm_prior(args: argparse.Namespace, device: torch.device, rate: float) -> No
         )
 
 
+def talker_codes(args: argparse.Namespace, device: torch.device, rate: float) -> None:
+    """Qwen2.5-Omni's talker at real size (896 wide, 24 layers: the directory `omnistage fixture
+    --family qwen2.5-omni --random-weights full` writes, loaded as the stage loads it), sampled
+    with its defaults, every row's thinker rows fed up front (a step never waits for them), EOS
+    off: ms a code at each concurrency against its floor; with "profile" its step's kernels."""
+    from omni_common.models.qwen_omni.random_model import write_random_model
+
+    model_dir = write_random_model(Path(tempfile.mkdtemp()) / "omni", full_size=True)
+    talker = Talker.load(model_dir, device, torch.bfloat16, max_slots=max(args.concurrency), decode="graphs")
+    talker.eos = frozenset()  # every row speaks all its codes
+    model = talker.model
+    # What a step reads: the decoder, the codec head, and the thinker-to-talker projection.
+    floor_bytes = step_bytes(model, model.codec_head, model.thinker_to_talker_proj)
+    floor_ms = floor_bytes / rate * 1e3
+    emit(part="talker floor", step_bytes=floor_bytes, floor_ms=round(floor_ms, 3))
+    width = model.config.embedding_size
+    generator = torch.Generator().manual_seed(0)
+
+    def make(i: int, new_tokens: int) -> GenerationRequest:
+        return GenerationRequest(prompt="", seed=i, options=(("talker_max_new_tokens", str(new_tokens)),))
+
+    def inputs(i: int) -> StageState:
+        rows = {"prompt": 64, "specials": 3, "reply": args.new_tokens + 8}
+        return StageState({name: torch.randn(n, width, generator=generator) for name, n in rows.items()})
+
+    for concurrency in args.concurrency:
+        found = ours(talker, concurrency, args.new_tokens, make, inputs)
+        emit(
+            part="omnistage graphed talker",
+            concurrency=concurrency,
+            **{k: round(v, 3) for k, v in found.items()},
+            ms_per_code=round(found["step_ms"] / concurrency, 3),
+            over_floor=round(found["step_ms"] / floor_ms, 2),
+        )
+    if "profile" in args.parts:
+        profile_step(talker, args.concurrency[0], make, inputs)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -316,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--skip", nargs="*", default=[], help="parts to skip: attention thinker eager generate"
     )
-    parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm agreement")
+    parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm talker agreement")
     parser.add_argument(
         "--compile-mode",
         default=None,
@@ -331,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
             emit(part="attention", rows=rows, ms_per_step_28_layers=attention_ms(rows, device))
     if "glm" in args.parts:
         glm_prior(args, device, bandwidth())
+    if "talker" in args.parts:
+        talker_codes(args, device, bandwidth())
     if "thinker" in args.skip:
         return
     model = build_thinker(device)
