@@ -35,6 +35,7 @@ from omni_common.models.qwen_omni.fixture import build_tokenizer
 from omni_common.models.qwen_omni.processor import load_processor
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.stages import MAX_QUEUE
 
 PROMPT = " ".join(["Tell me a short story about a red kite over the sea."] * 5)
 
@@ -319,11 +320,12 @@ def talker_codes(args: argparse.Namespace, device: torch.device, rate: float) ->
     """Qwen2.5-Omni's talker at real size (896 wide, 24 layers: the directory `omnistage fixture
     --family qwen2.5-omni --random-weights full` writes, loaded as the stage loads it), sampled
     with its defaults, every row's thinker rows fed up front (a step never waits for them), EOS
-    off: ms a code at each concurrency against its floor; with "profile" its step's kernels."""
+    off: ms a code at each concurrency against its floor; with "profile" its step's kernels. Its
+    KV slots are the stage's (`--talker-slots`, the stage's --max-queue: 64 by default)."""
     from omni_common.models.qwen_omni.random_model import write_random_model
 
     model_dir = write_random_model(Path(tempfile.mkdtemp()) / "omni", full_size=True)
-    talker = Talker.load(model_dir, device, torch.bfloat16, max_slots=max(args.concurrency), decode="graphs")
+    talker = Talker.load(model_dir, device, torch.bfloat16, max_slots=args.talker_slots, decode="graphs")
     talker.eos = frozenset()  # every row speaks all its codes
     model = talker.model
     # What a step reads: the decoder, the codec head, and the thinker-to-talker projection.
@@ -368,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
         "--skip", nargs="*", default=[], help="parts to skip: attention thinker eager generate"
     )
     parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm talker agreement")
+    parser.add_argument(
+        "--talker-slots", type=int, default=MAX_QUEUE, help="the talker's KV slots (the stage's --max-queue)"
+    )
     parser.add_argument(
         "--compile-mode",
         default=None,

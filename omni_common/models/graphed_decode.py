@@ -92,11 +92,14 @@ class GraphedCache(SlotRowsCache):
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.slots.keys[layer_idx][: self.rows]
-        values = self.slots.values[layer_idx][: self.rows]
+        # Written through the whole buffers, not through views of their first rows: compiled,
+        # an index_put into a view of a graph input is not done in place but as a copy of the
+        # view, the write and a copy back (two copies of every row's KV a layer, 8 MB a row at
+        # the talker's size), where one into the input itself is.
+        keys, values = self.slots.keys[layer_idx], self.slots.values[layer_idx]
         keys[self.row_index, :, self.write_at] = key[:, :, 0]
         values[self.row_index, :, self.write_at] = value[:, :, 0]
-        return keys, values
+        return keys[: self.rows], values[: self.rows]
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
