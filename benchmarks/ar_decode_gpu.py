@@ -34,7 +34,7 @@ from omni_common.models.graphed_decode import decoder_of
 from omni_common.models.qwen_omni.fixture import build_tokenizer
 from omni_common.models.qwen_omni.processor import load_processor
 from omni_common.models.qwen_omni.talker import Talker
-from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.models.qwen_omni.thinker import GRAPHED_MAX_TOKENS, Thinker
 from omni_common.stages import MAX_QUEUE
 
 PROMPT = " ".join(["Tell me a short story about a red kite over the sea."] * 5)
@@ -296,7 +296,7 @@ def glm_prior(args: argparse.Namespace, device: torch.device, rate: float) -> No
 
     model_dir = write_random_model(Path(tempfile.mkdtemp()) / "glm-image", full_size=True)
     prior = GlmImagePrior.load(
-        model_dir, device, torch.bfloat16, max_slots=max(args.concurrency), max_tokens=2048, decode="graphs"
+        model_dir, device, torch.bfloat16, max_slots=args.slots, max_tokens=2048, decode="graphs"
     )
     prior.model.generation_config.eos_token_id = None
     floor_ms = step_bytes(prior.model) / rate * 1e3
@@ -320,12 +320,11 @@ def talker_codes(args: argparse.Namespace, device: torch.device, rate: float) ->
     """Qwen2.5-Omni's talker at real size (896 wide, 24 layers: the directory `omnistage fixture
     --family qwen2.5-omni --random-weights full` writes, loaded as the stage loads it), sampled
     with its defaults, every row's thinker rows fed up front (a step never waits for them), EOS
-    off: ms a code at each concurrency against its floor; with "profile" its step's kernels. Its
-    KV slots are the stage's (`--talker-slots`, the stage's --max-queue: 64 by default)."""
+    off: ms a code at each concurrency against its floor; with "profile" its step's kernels."""
     from omni_common.models.qwen_omni.random_model import write_random_model
 
     model_dir = write_random_model(Path(tempfile.mkdtemp()) / "omni", full_size=True)
-    talker = Talker.load(model_dir, device, torch.bfloat16, max_slots=args.talker_slots, decode="graphs")
+    talker = Talker.load(model_dir, device, torch.bfloat16, max_slots=args.slots, decode="graphs")
     talker.eos = frozenset()  # every row speaks all its codes
     model = talker.model
     # What a step reads: the decoder, the codec head, and the thinker-to-talker projection.
@@ -370,8 +369,13 @@ def main(argv: list[str] | None = None) -> None:
         "--skip", nargs="*", default=[], help="parts to skip: attention thinker eager generate"
     )
     parser.add_argument("--parts", nargs="*", default=[], help="extra parts: profile glm talker agreement")
+    # The KV slots and the thinker's tokens a slot: the stage's defaults (its --max-queue and
+    # GRAPHED_MAX_TOKENS). A step of fewer rows than slots wrote its KV through a copy of those
+    # rows' buffers until 527f30e: runs before it used --slots 32 (the most concurrency) and
+    # --thinker-tokens 1024.
+    parser.add_argument("--slots", type=int, default=MAX_QUEUE, help="KV slots of each AR model")
     parser.add_argument(
-        "--talker-slots", type=int, default=MAX_QUEUE, help="the talker's KV slots (the stage's --max-queue)"
+        "--thinker-tokens", type=int, default=GRAPHED_MAX_TOKENS, help="the thinker's tokens a slot"
     )
     parser.add_argument(
         "--compile-mode",
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     processor = load_processor(processor_dir)
     ids = torch.tensor([[i % 300 + 20 for i in range(64)]], device=device)
 
-    def thinker_of(max_slots: int, decode: str) -> Thinker:
+    def thinker_of(max_slots: int, decode: str, max_tokens: int) -> Thinker:
         return Thinker(
             model,
             processor,
@@ -415,12 +419,12 @@ def main(argv: list[str] | None = None) -> None:
             device,
             torch.bfloat16,
             max_slots=max_slots,
-            max_tokens=1024,
+            max_tokens=max_tokens,
             decode=decode,
         )
 
     for attention in args.attention:
-        thinker = thinker_of(max(args.concurrency), "graphs")
+        thinker = thinker_of(args.slots, "graphs", args.thinker_tokens)
         assert thinker.graphed is not None
         thinker.graphed.attention = attention  # before any step is recorded
         for concurrency in args.concurrency:
@@ -441,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
         del thinker
     if "eager" not in args.skip:
         model.set_attn_implementation("sdpa")  # the graphed runner switched it
-        thinker = thinker_of(8, "eager")
+        thinker = thinker_of(8, "eager", 1024)
         found = ours(thinker, 1, 40)
         emit(part="omnistage eager", concurrency=1, **{k: round(v, 3) for k, v in found.items()})
         del thinker
