@@ -1,13 +1,15 @@
 """The graphed decode's step (graphed_decode.py), run unrecorded on the CPU (padded attention,
 float32, tiny GLM-Image): requests that join mid-decode and leave early pick exactly the eager
-decode's tokens, read a step late. The recorded form is pinned on a GPU by
-tests/gpu/test_graphed_decode.py."""
+decode's tokens, read a step late; traced as torch.compile traces it, the step writes its KV in
+place. The recorded form is pinned on a GPU by tests/gpu/test_graphed_decode.py."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
@@ -65,3 +67,26 @@ def test_the_prior_expects_its_one_sampling_setting_and_records_nothing_off_cuda
     # Off CUDA the step runs unrecorded: idle time has nothing to record.
     assert graphed.idle_work_left() == 0 and not graphed.idle_work()
     graphed.release(state)
+
+
+def test_the_traced_step_writes_its_kv_into_the_slot_buffers_in_place(glm_model: Path) -> None:
+    """A step of fewer rows than slots (bucket 1 of 4) traced as torch.compile traces it, after
+    functionalization: each layer's key and value are one index_put into the slot buffers, and
+    nothing scatters a view back (written through a view of the buffers' first rows, the step
+    copied those rows' whole KV twice a layer: 3.2x a talker step of 8 rows of 64 slots)."""
+    prior = GlmImagePrior.load(glm_model, CPU, torch.float32, max_slots=4, max_tokens=1024, decode="graphs")
+    graphed = prior.graphed
+    assert graphed is not None
+    ops: Counter[str] = Counter()
+
+    def record(module: torch.fx.GraphModule, inputs: object) -> torch.fx.GraphModule:
+        ops.update(str(node.target) for node in module.graph.nodes if node.op == "call_function")
+        return module  # run as traced
+
+    torch._dynamo.reset()
+    traced = torch.compile(graphed._forward, dynamic=False, backend=aot_autograd(fw_compiler=record))
+    with torch.no_grad():
+        traced(1)
+    layers = len(graphed.slots.keys)
+    assert ops["aten.index_put.default"] == 2 * layers
+    assert not [op for op in ops if "scatter" in op]
