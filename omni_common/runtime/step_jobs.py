@@ -34,7 +34,9 @@ class Job:
     partial: StageState | None = None  # the chunk its last step made (streaming runners)
     last_step: float = 0.0  # time.monotonic() of its last step; 0 before the first
     finishing: bool = False  # its last launched step finished it: never step it again
-    admitted: float = field(default_factory=time.monotonic)
+    admitted: float = field(default_factory=time.monotonic)  # its prepare (prefill) done
+    called: float = 0.0  # time.monotonic() when its call reached the stage, before its prepare
+    first_chunk: float = 0.0  # time.monotonic() when its first chunk was reported (streaming)
     waiting: Any = tracing.NO_SPAN  # its wait for its first step (tracing.start)
     steps_ms: list[float] = field(default_factory=list)  # each step's time (device time on a GPU)
     batches: list[int] = field(default_factory=list)  # the batch size of each of its steps
@@ -124,11 +126,18 @@ def preview_png(runner: StepRunner, state: StepState) -> bytes:
 
 def log_steps(name: str, job: Job) -> None:
     """Where a finished request's steps went: its first step (a new shape's compile or graph
-    capture shows there), the median of the rest, and the batches it stepped in."""
+    capture shows there), the median of the rest, and the batches it stepped in; then its
+    timeline in the stage, from its call: prepared (a prefill, a first window) and, streaming,
+    its first chunk reported (what a time to first audio is made of, stage by stage)."""
     steps = job.steps_ms
     later = sorted(steps[1:]) or steps
+    timeline = ""
+    if job.called:
+        timeline = f"; prepared {(job.admitted - job.called) * 1e3:.0f} ms after its call"
+        if job.first_chunk:
+            timeline += f", first chunk at {(job.first_chunk - job.called) * 1e3:.0f} ms"
     log.info(
-        "request %s: %d steps on %s in %.0f ms: first %.1f ms, median %.1f ms; batches %s",
+        "request %s: %d steps on %s in %.0f ms: first %.1f ms, median %.1f ms; batches %s%s",
         job.call.request_id,
         len(steps),
         name,
@@ -136,6 +145,7 @@ def log_steps(name: str, job: Job) -> None:
         steps[0],
         later[len(later) // 2],
         runs_of(job.batches),
+        timeline,
     )
 
 

@@ -158,6 +158,7 @@ class StepScheduler:
                 retry_after_ms=wait_ms,
             )
         self._admitting += 1
+        called = time.monotonic()
         try:
             state = await self.compute(self._prepare, call)
             if call.resume is not None:
@@ -169,7 +170,7 @@ class StepScheduler:
         finally:
             self._admitting -= 1
             self._wake.set()
-        job = Job(call, state, self.runner.step_cost(state))
+        job = Job(call, state, self.runner.step_cost(state), called=called)
         job.waiting = tracing.start(
             "queue wait", attributes={"omnistage.queue": self.name, "omnistage.queued": len(self.jobs)}
         )
@@ -421,6 +422,8 @@ class StepScheduler:
         done, checkpoint, step_ms = launched.done[i], launched.checkpoints[i], self.step_ms
         every = max(call.progress_every, 1)
         partial, job.partial = job.partial, None
+        if partial is not None and not job.first_chunk:
+            job.first_chunk = time.monotonic()
         if self.chunked is not None and self.chunked.is_prefilling(state):
             return  # its step prefilled a chunk of its prompt: no token, nothing to report yet
         if done % every == 0 or done == state.total_steps or checkpoint is not None or partial is not None:

@@ -12,6 +12,8 @@ computes, which changes nothing about the order of events).
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +27,7 @@ import torch
 
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.models.base import GenerationRequest, StageState, StepRunner, StepState
+from omni_common.models.qwen_omni.thinker import Thinker
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
@@ -546,3 +549,33 @@ def test_previews_show_the_step_they_are_reported_with(runners, overlap) -> None
         while state.step_index < p.step:
             denoiser.step([state])
         assert p.preview_png == to_png(denoiser.preview(state))
+
+
+def test_a_finished_request_s_log_line_gives_its_prepare_and_first_chunk_times(
+    omni_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stage's line for a finished request times its call: prepared (the prefill) and its
+    first chunk reported, in ms after the call reached the stage (a streaming runner, the tiny
+    thinker: its chunks are text deltas and talker rows)."""
+    thinker = Thinker.load(omni_model, CPU, torch.float32)
+    options = (("max_new_tokens", "12"), ("audio", "1"))
+    request = StageCall(
+        request_id="timed", request=GenerationRequest(prompt="hello", options=options), inputs=StageState({})
+    )
+
+    async def main(compute: Compute) -> list[int]:
+        scheduler = StepScheduler(thinker, compute)
+        chunks_at = []
+        async for event in scheduler.run(request):
+            if isinstance(event, Progress) and event.partial is not None:
+                chunks_at.append(event.step)
+        scheduler.close()
+        return chunks_at
+
+    with caplog.at_level(logging.INFO, "omnistage.steps"):
+        chunks_at = run_async(main)
+    assert chunks_at, "the thinker streamed no chunk"
+    line = next(r.getMessage() for r in caplog.records if "request timed:" in r.getMessage())
+    found = re.search(r"; prepared (\d+) ms after its call, first chunk at (\d+) ms$", line)
+    assert found, line
+    assert int(found[2]) >= int(found[1])
