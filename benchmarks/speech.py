@@ -18,7 +18,8 @@ then the ratios. Without --model, the tiny random fixture (a random talker never
 `--codes` caps its speech; 240 codes = 4.8 s). `--feed-tokens` runs our side once per value of
 the option feed_tokens (thinker tokens per Feed to the talker; 1 is a Feed per token) and counts
 the talker's Feed RPCs per reply (the ar-encoder's omnistage_stage_feeds metric);
-`--no-reference` leaves transformers out (to compare our own settings on a busy machine).
+`--no-reference` leaves transformers out (to compare our own settings on a busy machine). After
+our side, per role, the medians of the stages' own lines for its requests (`stage_lines`).
 
 On a GPU (`--device cuda`, issue 34), Qwen2.5-Omni at real size with random bf16 weights:
 
@@ -43,6 +44,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -371,7 +373,34 @@ def cluster_rows(
                 ours["feeds_per_reply"] = (talker_feeds(metrics) - fed) / (c * (args.rounds + 1))
                 found[f"ours k={k}", c] = ours
                 emit(side="omnistage streamed", concurrency=c, feed_tokens=k, **_rounded(ours))
+    for role, medians in stage_lines(scratch).items():  # the processes have exited: logs complete
+        emit(side="omnistage stage lines, medians", role=role, **medians)
     return found
+
+
+# A stage's line for a finished request (omni_common/runtime/step_jobs.py, log_steps).
+STEPS_LINE = re.compile(
+    r"request \S+: (?P<steps>\d+) steps on (?P<role>\S+) in (?P<ms>\d+) ms: first [\d.]+ ms, "
+    r"median (?P<median>[\d.]+) ms; batches [^;]*(?:; prepared (?P<prepared>\d+) ms after its call"
+    r"(?:, first chunk at (?P<first_chunk>\d+) ms)?)?$"
+)
+
+
+def stage_lines(log_dir: Path) -> dict[str, dict[str, float]]:
+    """Per role, the medians of the stages' lines for their finished requests (the warm-up
+    round's included): steps, their ms, the median step, and ms from the stage's call to its
+    prepare done and to its first chunk: where a reply's time to first audio goes."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            match = STEPS_LINE.search(line)
+            if match is None:
+                continue
+            row = found.setdefault(match["role"], {})
+            for key in ("steps", "ms", "median", "prepared", "first_chunk"):
+                if match[key] is not None:
+                    row.setdefault(key, []).append(float(match[key]))
+    return {role: {k: statistics.median(v) for k, v in row.items()} for role, row in found.items()}
 
 
 def ratios(args: argparse.Namespace, found: dict[Any, dict[str, float]]) -> dict[str, float]:
