@@ -223,8 +223,17 @@ class Token2Wav:
         return start, min(frames, out_end + FUTURE_BLOCKS * self.block), out_start, out_end
 
     def ready(self, state: StepState) -> bool:
+        """Whether a step has work for `state`: an open window, one to open, or a solved chunk
+        still to hand over. Windows opened together close together, and a step hands over one
+        chunk (take_partial): the others go out with the next steps, which solve nothing for
+        this state if nothing else is left."""
         assert isinstance(state, Token2WavState)
-        return bool(state.windows) or self._next_window(state) is not None or self.is_done(state)
+        return (
+            bool(state.windows)
+            or bool(state.pending)
+            or self._next_window(state) is not None
+            or self.is_done(state)
+        )
 
     def _on_device(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         """`values` as a tensor on the device, copied without waiting for the work queued there

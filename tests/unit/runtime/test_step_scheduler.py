@@ -28,9 +28,11 @@ import torch
 from omni_common.errors import DeadlineExceeded, OmniError, ResourceExhausted
 from omni_common.models.base import GenerationRequest, StageState, StepRunner, StepState
 from omni_common.models.qwen_omni.thinker import Thinker
+from omni_common.models.qwen_omni.token2wav import Token2Wav
 from omni_common.models.qwenimage.denoise import QwenImageDenoiser
 from omni_common.models.qwenimage.encode import QwenImageEncoder
 from omni_common.runtime.calls import FINISHED_WITH, Progress, StageCall
+from omni_common.runtime.feeds import Chunk, Inbox
 from omni_common.runtime.step_policy import FOLLOWERS_WAIT_S
 from omni_common.runtime.step_scheduler import StepScheduler
 
@@ -579,3 +581,43 @@ def test_a_finished_request_s_log_line_gives_its_prepare_and_first_chunk_times(
     found = re.search(r"; prepared (\d+) ms after its call, first chunk at (\d+) ms$", line)
     assert found, line
     assert int(found[2]) >= int(found[1])
+
+
+@pytest.mark.parametrize("end_apart", [False, True], ids=["end-with-codes", "end-alone"])
+def test_token2wav_windows_that_close_together_hand_over_every_chunk(
+    omni_model: Path, end_apart: bool
+) -> None:
+    """A short reply (16 codes: 12, then 4 and the end) opens its two windows in one step, so
+    they close in one step; the stage hands over one chunk a step: the second must still go out
+    and the call finish (it waited forever, the state never ready again). The chunks are the
+    ones a loop that takes every chunk each step makes."""
+    token2wav = Token2Wav.load(omni_model, CPU)
+    request = GenerationRequest(prompt="", seed=0, num_inference_steps=10)
+    first, rest = StageState({"codes": torch.arange(12)}), StageState({"codes": torch.arange(12, 16)})
+    inbox = Inbox()  # the talker's later chunks and its end, there before the call starts
+    inbox.put(1, Chunk(rest, end=not end_apart))
+    if end_apart:
+        inbox.put(2, Chunk(StageState({}), end=True))
+    call = StageCall(request_id="short", request=request, inputs=first, inbox=inbox)
+
+    async def main(compute: Compute) -> list[torch.Tensor]:
+        scheduler = StepScheduler(token2wav, compute)
+        chunks = []
+        async for event in scheduler.run(call):
+            if isinstance(event, Progress) and event.partial is not None:
+                chunks.append(event.partial.tensors["mel"])
+        scheduler.close()
+        return chunks
+
+    chunks = run_async(main)
+    state = token2wav.prepare(request, first)
+    token2wav.feed(state, rest, end=True)
+    expected = []
+    while not token2wav.is_done(state):
+        token2wav.step([state])
+        while (partial := token2wav.take_partial(state)) is not None:
+            expected.append(partial.tensors["mel"])
+    assert len(expected) == 2, "the two windows did not close in one step: the test lost its point"
+    assert len(chunks) == 2
+    for got, want in zip(chunks, expected, strict=True):
+        assert torch.equal(got, want)
