@@ -382,22 +382,10 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="torch.compile mode of our decode step (e.g. max-autotune-no-cudagraphs; default: none)",
     )
-    parser.add_argument(
-        "--compile-shapes",
-        choices=("buckets", "shared"),
-        default="shared" if graphed_decode.SHARED_SHAPES else "buckets",
-        help="a compile per batch bucket, or one for a row and one shared by every larger bucket",
-    )
     args = parser.parse_args(argv)
     graphed_decode.COMPILE_MODE = args.compile_mode
-    graphed_decode.SHARED_SHAPES = args.compile_shapes == "shared"
     device = torch.device(args.device)
-    emit(
-        machine=torch.cuda.get_device_name(device),
-        torch=torch.__version__,
-        compile_mode=args.compile_mode,
-        compile_shapes=args.compile_shapes,
-    )
+    emit(machine=torch.cuda.get_device_name(device), torch=torch.__version__, compile_mode=args.compile_mode)
     if "attention" not in args.skip:
         for rows in args.concurrency:
             emit(part="attention", rows=rows, ms_per_step_28_layers=attention_ms(rows, device))

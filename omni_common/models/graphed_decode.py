@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 
@@ -41,36 +41,10 @@ from omni_common.models.sampling import split_penalty
 
 log = logging.getLogger("omnistage.graphed_decode")
 
-_Out = TypeVar("_Out")
-
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # batch sizes a graph is recorded for
 # torch.compile's mode for the decode step (None: its default; benchmarks/ar_decode_gpu.py
 # --compile-mode times the others, e.g. inductor's autotuned products for the skinny rows).
 COMPILE_MODE: str | None = None
-# Whether one compiled step serves every bucket past the first (its row count symbolic) or each
-# bucket compiles its own static shapes (benchmarks/ar_decode_gpu.py --compile-shapes times both).
-SHARED_SHAPES = True
-
-
-def compile_rows(
-    forward: Callable[[torch.Tensor], _Out], shared: bool | None = None, backend: str = "inductor"
-) -> Callable[[torch.Tensor], _Out]:
-    """`forward(rows)` compiled, where `rows.shape[0]` is the only size that changes between
-    calls (a step's rows, an extend's tokens). `shared` (SHARED_SHAPES by default): a size of
-    1 compiles on its own and every larger size shares one compile whose size is symbolic;
-    otherwise every size compiles its own static shapes (at real size ~30-60 s each). Every
-    other shape stays static either way: dynamo's automatic dynamic shapes are off for these
-    calls (the thinker and the talker share this code, and their buffers differ in size)."""
-    shared = SHARED_SHAPES if shared is None else shared
-    compiled = torch.compile(forward, dynamic=None if shared else False, backend=backend, mode=COMPILE_MODE)
-
-    def call(rows: torch.Tensor) -> _Out:
-        if shared and rows.shape[0] > 1:
-            torch._dynamo.mark_dynamic(rows, 0)
-        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            return compiled(rows)
-
-    return call
 
 
 @dataclass(frozen=True)
@@ -185,16 +159,14 @@ class GraphedDecode:
         self.attention = attention if slots.device.type == "cuda" else "padded"
         self.keep_rows = keep_rows  # also keep each row's last hidden + input embedding (talker)
         self.position_rows = position_rows
-        self._forward_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
-            self._forward
-        )
+        self._forward_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = self._forward
         if compile and slots.device.type == "cuda":
-            # Up to one compiled forward per bucket size: raise dynamo's recompile limit to the
-            # number of buckets.
+            # One compiled forward per bucket size (static shapes): raise dynamo's recompile
+            # limit to the number of buckets.
             config = torch._dynamo.config
             name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
             setattr(config, name, max(getattr(config, name), 2 * len(BUCKETS)))
-            self._forward_fn = compile_rows(self._forward)
+            self._forward_fn = torch.compile(self._forward, dynamic=False, mode=COMPILE_MODE)
         self.cache_argument = cache_keyword(self.decoder)
         device, slot_count = slots.device, slots.max_slots
         self.device = device
@@ -364,11 +336,10 @@ class GraphedDecode:
         blocks = ((kv_length + KV_BLOCK - 1) // KV_BLOCK).to(torch.int32).view(size, 1, 1)
         return flex_rows(blocks, self.kv_indices[:size], mask_mod, 1, capacity)
 
-    def _forward(self, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The forward of rows 0..size-1, `lengths` their cached tokens ([size], the first rows
-        of `self.lengths`), compiled on CUDA: (last hidden [size, H], input embeddings [size,
-        H], float32 logits [size, vocab])."""
-        size = lengths.shape[0]
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' decoder forward (compiled on CUDA): (last hidden [size, H], input
+        embeddings [size, H], float32 logits [size, vocab])."""
+        lengths = self.lengths[:size]
         index = (self.steps[:size] - 1).clamp(min=0, max=self.rope.shape[2] - 1).view(size, 1, 1)
         positions = torch.gather(self.rope[:size], 2, index.expand(-1, self.position_rows, 1)).transpose(0, 1)
         rows = None if self.row_inputs is None else self.row_inputs[:size]
@@ -389,7 +360,7 @@ class GraphedDecode:
         """A step of rows 0..size-1: the forward, the pick, the rows advanced (active ones)."""
         active = self.active[:size]
         ids = self.next_ids[:size]
-        hidden, embeds, scores = self._forward_fn(self.lengths[:size])
+        hidden, embeds, scores = self._forward_fn(size)
         finite = torch.isfinite(scores).all(dim=-1)
         penalty, processors = split_penalty(processors)
         if penalty is not None:  # transformers' repetition penalty, from each row's mask of seen

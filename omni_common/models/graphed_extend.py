@@ -23,13 +23,12 @@ the CPU tests compare with the eager prefill).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from omni_common.models.graphed_attention import RowAttention, causal_flex_rows
-from omni_common.models.graphed_decode import GraphedDecode, SlotRowsCache, compile_rows
+from omni_common.models.graphed_decode import COMPILE_MODE, GraphedDecode, SlotRowsCache
 from omni_common.models.kv_slots import KVSlot, KVSlots
 
 log = logging.getLogger("omnistage.graphed_extend")
@@ -83,11 +82,9 @@ class GraphedExtend:
         self.pool: Any = None
         self.failed = False  # a recording failed: the eager prefill serves from then on
         self.runs = 0  # extends run (tests, metrics)
-        self._forward_fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
-            self._forward
-        )
+        self._forward_fn = self._forward
         if self.device.type == "cuda":
-            self._forward_fn = compile_rows(self._forward)
+            self._forward_fn = torch.compile(self._forward, dynamic=False, mode=COMPILE_MODE)
 
     def bucket(self, count: int) -> int | None:
         """The size a forward of `count` tokens runs at; None when none takes it (or failed)."""
@@ -162,16 +159,14 @@ class GraphedExtend:
         return graph, outputs
 
     def _outputs(self, size: int) -> dict[str, torch.Tensor]:
-        hidden, embeds, logits = self._forward_fn(self.ids[:size])
+        hidden, embeds, logits = self._forward_fn(size)
         return {"hidden": hidden, "embeds": embeds, "logits": logits}
 
-    def _forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The forward of `ids` (the first `size` of `self.ids`, padding included)."""
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         decode = self.decode
         capacity = self.slots.capacity
-        size = ids.shape[0]
         steps = self.start + torch.arange(size, device=self.device)  # each token's position
-        embeds = decode.decoder.embed_tokens(ids)  # type: ignore[operator]
+        embeds = decode.decoder.embed_tokens(self.ids[:size])  # type: ignore[operator]
         output = decode.decoder(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=self.positions[:, :size].unsqueeze(1),

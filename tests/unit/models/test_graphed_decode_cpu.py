@@ -14,7 +14,6 @@ from torch._dynamo.backends.common import aot_autograd
 from omni_common.models.base import GenerationRequest, StageState
 from omni_common.models.glm_image.prior import GlmImagePrior, PriorState
 from omni_common.models.graphed_attention import FLEX_MIN_HEAD_DIM, attention_for
-from omni_common.models.graphed_decode import compile_rows
 
 CPU = torch.device("cpu")
 PROMPTS = ["a red cafe", "a blue boat with a long sign", "kite"]
@@ -87,44 +86,7 @@ def test_the_traced_step_writes_its_kv_into_the_slot_buffers_in_place(glm_model:
     torch._dynamo.reset()
     traced = torch.compile(graphed._forward, dynamic=False, backend=aot_autograd(fw_compiler=record))
     with torch.no_grad():
-        traced(graphed.lengths[:1])
+        traced(1)
     layers = len(graphed.slots.keys)
     assert ops["aten.index_put.default"] == 2 * layers
     assert not [op for op in ops if "scatter" in op]
-
-
-class Rows:
-    """A step's shape of data: a slot-sized buffer read through its first `rows` entries."""
-
-    def __init__(self, slots: int) -> None:
-        self.buffer = torch.arange(slots, dtype=torch.float32)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.buffer[: rows.shape[0]] * 2 + rows
-
-
-def _compiles(shared: bool, sizes: tuple[int, ...], runners: list[Rows]) -> int:
-    """Dynamo's compiles when every runner's compiled forward runs at each size in turn."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    for rows in runners:
-        forward = compile_rows(rows.forward, shared=shared, backend="aot_eager")
-        for size in sizes:
-            ids = torch.arange(size, dtype=torch.float32)
-            torch.testing.assert_close(forward(ids), rows.forward(ids))
-    return int(counters["stats"]["unique_graphs"])
-
-
-def test_shared_shapes_compile_one_row_and_then_once_for_every_larger_bucket() -> None:
-    sizes = (1, 2, 4, 8, 16)
-    assert _compiles(False, sizes, [Rows(16)]) == len(sizes)  # a compile per bucket
-    assert _compiles(True, sizes, [Rows(16)]) == 2  # one row, then every larger size
-
-
-def test_shared_shapes_keep_every_other_shape_static() -> None:
-    """The thinker and the talker run the same step code over buffers of different sizes: a
-    third runner of yet another size compiles its own shapes (dynamo's automatic dynamic
-    shapes would have made the buffers' sizes symbolic after the second)."""
-    assert _compiles(True, (2,), [Rows(16), Rows(32), Rows(64)]) == 3
