@@ -3,11 +3,15 @@ joins, with the joining prompt prefilled whole (chunk 0: its prefill runs betwee
 and a chunk per step, on the tiny Qwen2.5-Omni thinker (or a checkpoint given by --model).
 
     python benchmarks/chunked_prefill.py [--words 120] [--chunks 0 512 128] [--device cpu]
+        [--burst 8]
 
 Each round: a reply decodes a few tokens, then the long prompt is admitted (`prepare`) and both
 step until the prompt's prefill is done; the round's gap is the longest wall time between two
 of the running reply's tokens (prepare + step for chunk 0). One JSON line per chunk size: the
-median gap over the rounds and a lone decode step's time.
+median gap over the rounds and a lone decode step's time. With `--burst N`, the joining prompt
+is N short ones admitted at once (as the stage's compute thread runs a burst's admissions back
+to back), each within one chunk: with chunking off they are prefilled when admitted, with it the
+steps prefill one each.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rounds(thinker: Thinker, prompt: str, count: int) -> dict[str, float]:
-    """The running reply's longest gap (ms) per round, a lone step's time, the prompt's length."""
+def rounds(thinker: Thinker, prompts: list[str], count: int) -> dict[str, float]:
+    """The running reply's longest gap (ms) per round while `prompts` join at once, a lone
+    step's time, the joining prompts' length (the longest)."""
     gaps, lone, length = [], [], 0
     for _ in range(count):
         running = thinker.prepare(request("Tell me a short story.", 400), StageState({}))
@@ -47,13 +52,13 @@ def rounds(thinker: Thinker, prompt: str, count: int) -> dict[str, float]:
             thinker.step([running])
         sync(thinker.device)
         started = time.perf_counter()
-        joining = thinker.prepare(request(prompt, 4), StageState({}))
-        thinker.step([running, joining])
+        joining = [thinker.prepare(request(prompt, 4), StageState({})) for prompt in prompts]
+        thinker.step([running, *joining])
         sync(thinker.device)
         worst = time.perf_counter() - started
-        while joining.prefill is not None:
+        while any(state.prefill is not None for state in joining):
             started = time.perf_counter()
-            thinker.step([running, joining])
+            thinker.step([running, *joining])
             sync(thinker.device)
             worst = max(worst, time.perf_counter() - started)
         started = time.perf_counter()
@@ -61,9 +66,9 @@ def rounds(thinker: Thinker, prompt: str, count: int) -> dict[str, float]:
         sync(thinker.device)
         lone.append(time.perf_counter() - started)
         gaps.append(worst)
-        length = joining.prompt_length
-        thinker.release(running)
-        thinker.release(joining)
+        length = max(state.prompt_length for state in joining)
+        for state in (running, *joining):
+            thinker.release(state)
     return {
         "prompt_tokens": length,
         "longest_gap_ms": round(statistics.median(gaps) * 1e3, 2),
@@ -81,12 +86,15 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 128])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--burst", type=int, default=0, help="N short prompts join instead of the long one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    prompt = " ".join(
-        f"Sentence {i} of a long prompt about boats, rivers and the sea." for i in range(args.words)
-    )
+    prompts = [
+        " ".join(f"Sentence {i} of a long prompt about boats, rivers and the sea." for i in range(args.words))
+    ]
+    if args.burst:
+        prompts = [f"Say something about boat number {i}." for i in range(args.burst)]
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or build_tiny_fixture(Path(scratch) / "qwen-omni-tiny")
         for chunk in args.chunks:
@@ -94,13 +102,14 @@ def main() -> None:
                 model,
                 device,
                 torch.float32,
-                max_slots=2,
+                max_slots=1 + len(prompts),
                 decode="eager",
                 prefix_bytes=0,
                 prefill_chunk_tokens=chunk,
             )
-            result = rounds(thinker, prompt, args.rounds)
-            print(json.dumps({"bench": "chunked_prefill", "device": str(device), "chunk": chunk, **result}))
+            result = rounds(thinker, prompts, args.rounds)
+            row = {"bench": "chunked_prefill", "device": str(device), "chunk": chunk, "joining": len(prompts)}
+            print(json.dumps({**row, **result}))
 
 
 if __name__ == "__main__":

@@ -303,8 +303,13 @@ class SlotGenerator:
 
     def prefills_at_once(self, remaining: int) -> bool:
         """Whether a prompt with `remaining` tokens to compute is prefilled in one forward when
-        it is admitted (chunking off, or it fits one chunk), not a chunk per step."""
-        return not self.prefill_chunk_tokens or remaining <= self.prefill_chunk_tokens
+        it is admitted, not by the steps, a chunk each: chunking off, or it fits one chunk and no
+        other request holds a slot. A short prompt that joins others waits for the next step,
+        which prefills it whole (the same forward, later): so a burst of prompts holds the
+        running replies up by one chunk a step, not by every prompt of the burst at once."""
+        if not self.prefill_chunk_tokens:
+            return True
+        return remaining <= self.prefill_chunk_tokens and len(self.slots.active) <= 1  # its own
 
     def prefill_chunks(self) -> int:
         """Prefill chunks run by steps so far (PrefillsInChunks: the stage's metrics)."""

@@ -194,7 +194,8 @@ class Thinker(SlotGenerator):
         """The prompt's prefill, which picks the first token; a prefix of the prompt whose KV this
         replica kept (an earlier turn of the conversation), or that came with the inputs from
         another replica, is not computed again. A prompt with more than `prefill_chunk_tokens`
-        tokens left to compute is prefilled by the steps instead, a chunk each (`step`)."""
+        tokens left to compute, or any while other requests hold slots, is prefilled by the steps
+        instead, a chunk each (`step`, `prefills_at_once`)."""
         speaker(self.speakers, speaker_of(request))  # an unknown speaker fails here, not mid-prefill
         tensors, moved = split_moved(inputs.tensors)
         prompt = self._prompt(request, tensors)

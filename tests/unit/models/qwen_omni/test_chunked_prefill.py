@@ -1,5 +1,6 @@
 """Chunked prefill in the thinker (tiny fixture, CPU fp32): a prompt within one chunk is
-prefilled at admission exactly as before; a longer one runs a chunk per step and picks the
+prefilled at admission exactly as before when it is alone, and by the next step beside others
+(a burst holds a running reply up one prompt a step, each reply its lone tokens); a longer one runs a chunk per step and picks the
 whole prefill's greedy tokens, with its talker rows, KV and first logits within float rounding
 (chunks change the shapes of the attention and matrix products, not the computation); a chunk
 that would split an audio clip or a video runs to its end; a running reply steps exactly once
@@ -32,6 +33,7 @@ from tests.unit.models.qwen_omni.test_prefix import video
 CPU = torch.device("cpu")
 CHUNK = 16
 SHORT = "Tell me a short story."
+BURST = ("Say hi.", "Name a colour.", "Count to three.")  # prompts that join at once
 LONG = " ".join(f"Sentence {i} of a long prompt about boats, rivers and the sea." for i in range(8))
 # Chunked against whole prefill, fp32, 351 tokens in 22 chunks: measured max |difference|
 # 3.6e-7 in the talker rows, 7.5e-8 in the keys, 3.0e-8 in the values and in the first token's
@@ -47,6 +49,7 @@ class StepLog(Thinker):
     called, then the step waits for `proceed`) and hear of releases (`released`)."""
 
     log: list[list[tuple[ThinkerState, int, bool]]]
+    prefilled: list[ThinkerState | None]  # after each step, the state it prefilled a chunk of
     chunk_done: Callable[[], None] | None = None
     proceed: threading.Event | None = None
     released: Callable[[], None] | None = None
@@ -57,11 +60,13 @@ class StepLog(Thinker):
             self.released()
 
     def step(self, states: Sequence[StepState]) -> None:
-        chunked = self.next_prefill(states) is not None
+        prefilled = self.next_prefill(states)
+        chunked = prefilled is not None
         super().step(states)
         self.log.append(
             [(s, s.step_index, s.prefill is not None) for s in states if isinstance(s, ThinkerState)]
         )
+        self.prefilled.append(prefilled if isinstance(prefilled, ThinkerState) else None)
         if chunked and self.chunk_done is not None and self.proceed is not None:
             self.chunk_done()
             assert self.proceed.wait(timeout=120), "the test never let the step go on"
@@ -86,7 +91,18 @@ def chunked(omni_model: Path) -> StepLog:
         omni_model, CPU, torch.float32, max_slots=4, prefix_bytes=0, prefill_chunk_tokens=CHUNK
     )
     assert isinstance(thinker, StepLog)
-    thinker.log = []
+    thinker.log, thinker.prefilled = [], []
+    return thinker
+
+
+@pytest.fixture(scope="module")
+def roomy(omni_model: Path) -> StepLog:
+    """Chunks of 512 tokens: every prompt of these tests fits one."""
+    thinker = StepLog.load(
+        omni_model, CPU, torch.float32, max_slots=4, prefix_bytes=0, prefill_chunk_tokens=512
+    )
+    assert isinstance(thinker, StepLog)
+    thinker.log, thinker.prefilled = [], []
     return thinker
 
 
@@ -390,3 +406,62 @@ def test_on_cuda_a_prefill_computes_its_last_positions_logits_only(whole: Thinke
     assert after.tokens == before.tokens
     assert largest(after.first_logits, before.first_logits) < TOL
     assert chunked.model.lm_head is head
+
+
+def test_a_short_prompt_is_prefilled_at_admission_alone_and_by_the_next_step_beside_others(
+    whole: Thinker, roomy: StepLog
+) -> None:
+    first = roomy.prepare(request(BURST[0], tokens=4), StageState({}))
+    assert first.prefill is None, "alone, it is prefilled when admitted"
+    second = roomy.prepare(request(BURST[1], tokens=4), StageState({}))
+    assert second.prefill is not None and second.prefill.done == 0, "beside another, by the steps"
+    picked = first.step_index
+    roomy.step([first, second])
+    assert second.prefill is None, "the next step prefilled it whole"
+    assert first.step_index == picked + 1, "and the first reply picked its next token in it"
+    while not (roomy.is_done(first) and roomy.is_done(second)):
+        roomy.step([state for state in (first, second) if not roomy.is_done(state)])
+    for state, prompt in ((first, BURST[0]), (second, BURST[1])):
+        assert state.generated.tolist() == Run(whole, request(prompt, tokens=4)).tokens
+        roomy.release(state)
+    assert not roomy.slots.active
+
+
+def test_a_running_reply_steps_between_the_prefills_of_a_burst_of_short_prompts(
+    whole: Thinker, roomy: StepLog
+) -> None:
+    """Three prompts that each fit one chunk join a running reply at once, through the stage's
+    scheduler: the steps prefill them one a step, and the running reply advances a token in
+    each of those steps (prefilled when admitted, all three would run before its next step);
+    every reply picks its lone run's tokens."""
+
+    async def main(compute: Compute) -> None:
+        scheduler = StepScheduler(roomy, compute, name="ar-encoder")
+        decoding = asyncio.Event()
+        running = asyncio.create_task(
+            result_of(
+                scheduler.run(stage_call("running", request(SHORT, tokens=40))),
+                lambda s: s == 2 and decoding.set(),
+            )
+        )
+        await decoding.wait()
+        joining = (
+            scheduler.run(stage_call(f"joining {i}", request(p, tokens=4))) for i, p in enumerate(BURST)
+        )
+        await asyncio.gather(*(result_of(events) for events in joining))
+        await running
+        scheduler.close()
+
+    roomy.log, roomy.prefilled = [], []
+    run_async(main)
+    prefills = [(i, state) for i, state in enumerate(roomy.prefilled) if state is not None]
+    assert sorted(state.request.prompt for _, state in prefills) == sorted(BURST)
+    running_at = [
+        index for i, _ in prefills for state, index, _ in roomy.log[i] if state.request.prompt == SHORT
+    ]
+    assert len(running_at) == len(BURST), "the running reply stepped in every step that prefilled one"
+    assert running_at == sorted(set(running_at)), "a token further each time"
+    replies = {state.request.prompt: state.generated.tolist() for step in roomy.log for state, _, _ in step}
+    for prompt, tokens in ((SHORT, 40), *((p, 4) for p in BURST)):
+        assert replies[prompt] == Run(whole, request(prompt, tokens=tokens)).tokens, prompt
+    assert not roomy.slots.active
