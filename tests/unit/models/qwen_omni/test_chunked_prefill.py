@@ -1,10 +1,11 @@
 """Chunked prefill in the thinker (tiny fixture, CPU fp32): a prompt within one chunk is
 prefilled at admission exactly as before when it is alone, and by the next step beside others
-(a burst holds a running reply up one prompt a step, each reply its lone tokens); a longer one runs a chunk per step and picks the
-whole prefill's greedy tokens, with its talker rows, KV and first logits within float rounding
-(chunks change the shapes of the attention and matrix products, not the computation); a chunk
-that would split an audio clip or a video runs to its end; a running reply steps exactly once
-between two chunks of a prompt that joins it; a request cancelled mid-prefill frees its slot."""
+(a burst holds a running reply up one prompt a step, each reply its lone tokens); a longer one
+runs a chunk per step and picks the whole prefill's greedy tokens, with its talker rows, KV and
+first logits within float rounding (chunks change the shapes of the attention and matrix
+products, not the computation); a chunk that would split an audio clip or a video runs to its
+end; a running reply steps exactly once between two chunks of a prompt that joins it; a request
+cancelled mid-prefill frees its slot."""
 
 from __future__ import annotations
 
@@ -289,9 +290,12 @@ async def result_of(
     raise AssertionError("no result")
 
 
-def test_a_running_reply_steps_once_between_two_chunks_of_a_joining_prompt(chunked: StepLog) -> None:
+def join_a_running_reply(thinker: StepLog, joining: Sequence[GenerationRequest]) -> None:
+    """Through the stage's scheduler: a reply of 40 tokens runs, and once it has stepped twice
+    the `joining` requests arrive at once; every request runs to its end (the steps logged)."""
+
     async def main(compute: Compute) -> None:
-        scheduler = StepScheduler(chunked, compute, name="ar-encoder")
+        scheduler = StepScheduler(thinker, compute, name="ar-encoder")
         decoding = asyncio.Event()
         running = asyncio.create_task(
             result_of(
@@ -300,12 +304,17 @@ def test_a_running_reply_steps_once_between_two_chunks_of_a_joining_prompt(chunk
             )
         )
         await decoding.wait()
-        await result_of(scheduler.run(stage_call("joining", request())))
+        calls = (scheduler.run(stage_call(f"joining {i}", gen)) for i, gen in enumerate(joining))
+        await asyncio.gather(*(result_of(events) for events in calls))
         await running
         scheduler.close()
 
-    chunked.log = []
+    thinker.log, thinker.prefilled = [], []
     run_async(main)
+
+
+def test_a_running_reply_steps_once_between_two_chunks_of_a_joining_prompt(chunked: StepLog) -> None:
+    join_a_running_reply(chunked, [request()])
     joining = [step for step in chunked.log if any(p and s.request.prompt == LONG for s, _, p in step)]
     running_steps = [index for step in joining for state, index, _ in step if state.request.prompt == SHORT]
     assert len(joining) >= 3, "the joining prompt took several chunks"
@@ -435,25 +444,7 @@ def test_a_running_reply_steps_between_the_prefills_of_a_burst_of_short_prompts(
     each of those steps (prefilled when admitted, all three would run before its next step);
     every reply picks its lone run's tokens."""
 
-    async def main(compute: Compute) -> None:
-        scheduler = StepScheduler(roomy, compute, name="ar-encoder")
-        decoding = asyncio.Event()
-        running = asyncio.create_task(
-            result_of(
-                scheduler.run(stage_call("running", request(SHORT, tokens=40))),
-                lambda s: s == 2 and decoding.set(),
-            )
-        )
-        await decoding.wait()
-        joining = (
-            scheduler.run(stage_call(f"joining {i}", request(p, tokens=4))) for i, p in enumerate(BURST)
-        )
-        await asyncio.gather(*(result_of(events) for events in joining))
-        await running
-        scheduler.close()
-
-    roomy.log, roomy.prefilled = [], []
-    run_async(main)
+    join_a_running_reply(roomy, [request(prompt, tokens=4) for prompt in BURST])
     prefills = [(i, state) for i, state in enumerate(roomy.prefilled) if state is not None]
     assert sorted(state.request.prompt for _, state in prefills) == sorted(BURST)
     running_at = [
