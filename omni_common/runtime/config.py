@@ -199,8 +199,9 @@ class StageConfig(ServiceConfig):
         512,
         "ar-encoder: a prompt with more tokens than this to compute is prefilled this many a step, "
         "between the running replies' decode steps, which then wait for one chunk, not the whole "
-        "prompt (a chunk that would split an audio clip, image or video runs to its end); 0 = every "
-        "prompt in one forward. Roles that chunk: Qwen2.5-Omni's thinker",
+        "prompt (a chunk that would split an audio clip, image or video runs to its end); a shorter "
+        "one that joins running replies is prefilled by the next step, one prompt a step; 0 = every "
+        "prompt in one forward when admitted. Roles that chunk: Qwen2.5-Omni's thinker",
     )
     ar_decode: str = setting(
         "auto",
