@@ -314,6 +314,9 @@ def glm_prior(args: argparse.Namespace, device: torch.device, rate: float) -> No
             ms_per_token=round(found["step_ms"] / concurrency, 3),
             over_floor=round(found["step_ms"] / floor_ms, 2),
         )
+    for rows in args.concurrency if "profile" in args.parts else ():
+        emit(part="glm-image AR step's kernels", rows=rows)
+        profile_step(prior, rows, make)
 
 
 def talker_codes(args: argparse.Namespace, device: torch.device, rate: float) -> None:
