@@ -52,11 +52,15 @@ class DecodeIO:
     """How a decoder's step differs from embed-the-token / decode / model head (the defaults):
     `inputs(ids [rows], row_inputs [rows, row_width] or None)` makes the step's input
     embeddings, from the picked tokens and each row's own input the host sets before a launch
-    (`set_row_inputs`; Qwen2.5-Omni's talker adds a thinker row); `head` gives the logits."""
+    (`set_row_inputs`; Qwen2.5-Omni's talker adds a thinker row); `head` gives the logits;
+    `prefill(rows [count, row_width])` makes a recorded prefill's (graphed_extend.py) input
+    embeddings from its tokens' rows alone, where they are not its tokens' embeddings (the
+    talker's prompt: its thinker rows, projected)."""
 
     inputs: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     head: torch.nn.Module | None = None
     row_width: int = 0
+    prefill: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class SlotRowsCache:
@@ -154,6 +158,7 @@ class GraphedDecode:
         io = io or DecodeIO()
         self.lm_head = io.head or cast(torch.nn.Module, model.get_output_embeddings())  # type: ignore[operator]
         self.inputs = io.inputs or (lambda ids, rows: self.decoder.embed_tokens(ids))  # type: ignore[operator]
+        self.io = io
         self.slots = slots
         # FlexAttention is a compiled (Triton) kernel: off CUDA the padded form checks the step.
         self.attention = attention if slots.device.type == "cuda" else "padded"

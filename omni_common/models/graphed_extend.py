@@ -8,7 +8,9 @@ where reading the weights once takes 5 ms, so a short prefill, not the decode, s
 the first token.
 
 What a forward is, on the device only (GraphedDecode's buffers and compiled decoder):
-- the request's tokens, padded to the bucket, and their rope positions sit in static buffers;
+- the request's tokens, padded to the bucket, and their rope positions sit in static buffers
+  (a decoder whose prompt is not its tokens' embeddings, Qwen2.5-Omni's talker, takes each
+  token's row instead: its DecodeIO.prefill makes the input from it);
 - each layer writes the tokens' keys and values into the slot's row at its cached length
   onwards (the padding's land past them, where the decode writes before it reads), and every
   query attends to the row's tokens up to its own position: one masked SDPA over the row;
@@ -70,6 +72,13 @@ class GraphedExtend:
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # tokens cached before
         self.last = torch.zeros(1, dtype=torch.long, device=self.device)  # the last real token
+        # The tokens' rows, for a decoder whose prefill input is made from them (DecodeIO.prefill).
+        self.prefill_inputs = decode.io.prefill
+        self.rows = (
+            torch.zeros(largest, decode.io.row_width, dtype=self.slots.dtype, device=self.device)
+            if self.prefill_inputs is not None
+            else None
+        )
         config: Any = decode.decoder.config
         self.heads = int(config.num_attention_heads)
         # flex's main kernel runs a block per query head: a few queries over a long row read
@@ -112,15 +121,22 @@ class GraphedExtend:
 
     @torch.no_grad()
     def run(
-        self, slot: KVSlot, ids: torch.Tensor, positions: torch.Tensor
+        self, slot: KVSlot, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prefill `ids` [count] at rope `positions` [position_rows, count] after what `slot`
-        caches; the slot then caches them too. Returns the last layer's rows and the input
-        embeddings [count, hidden] and the last token's float logits [1, vocab]."""
+        caches, or, for a decoder whose prefill input is made from rows (DecodeIO.prefill),
+        `rows` [count, row_width]; the slot then caches them too. Returns the last layer's rows
+        and the input embeddings [count, hidden] and the last token's float logits [1, vocab]."""
         count = int(ids.shape[0])
         size = self.bucket(count)
         if size is None or slot.length + count > self.slots.capacity:
             raise ValueError(f"no graphed extend of {count} tokens after {slot.length}")
+        if (rows is None) != (self.rows is None) or (rows is not None and rows.shape[0] != count):
+            raise ValueError(
+                "a graphed extend takes rows, one a token, exactly when its decoder's prefill reads them"
+            )
+        if self.rows is not None and rows is not None:
+            self.rows[:count].copy_(rows)
         self.ids[:count].copy_(ids)
         self.positions[:, :count].copy_(positions)
         self.slot.fill_(slot.index)
@@ -166,7 +182,10 @@ class GraphedExtend:
         decode = self.decode
         capacity = self.slots.capacity
         steps = self.start + torch.arange(size, device=self.device)  # each token's position
-        embeds = decode.decoder.embed_tokens(self.ids[:size])  # type: ignore[operator]
+        if self.prefill_inputs is not None and self.rows is not None:
+            embeds = self.prefill_inputs(self.rows[:size])
+        else:
+            embeds = decode.decoder.embed_tokens(self.ids[:size])  # type: ignore[operator]
         output = decode.decoder(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=self.positions[:, :size].unsqueeze(1),

@@ -1,6 +1,7 @@
 """The talker's graphed decode recorded on a GPU (tiny Qwen2.5-Omni, float32): fed the thinker's
 chunks, it picks the eager talker's codes, greedy and sampled, three requests batched, and
-records a step once per bucket and sampling setting, never per request."""
+records a step once per bucket and sampling setting, never per request; its prefills run as
+recorded extends (one a request), recorded once per bucket."""
 
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ def test_the_recorded_talker_picks_the_eager_codes(omni_model: Path, sample: int
     graphed = Talker.load(omni_model, CUDA, torch.float32, max_slots=4, decode="graphs")
     assert graphed.graphed is not None
     expected = codes(eager, thinking, sample, seeds)
+    extend = graphed.extend
+    assert extend is not None
     assert codes(graphed, thinking, sample, seeds) == expected
     recorded = graphed.graphed.captures
     assert 0 < recorded == len(graphed.graphed.graphs)
+    extends = dict(extend.graphs)
+    assert extends and not extend.failed and extend.runs == len(seeds)
     assert codes(graphed, thinking, sample, seeds) == expected
     assert graphed.graphed.captures == recorded  # none per request
+    assert extend.graphs == extends and extend.runs == 2 * len(seeds)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import DynamicCache, Qwen2_5OmniTalkerForConditionalGeneration
@@ -92,7 +93,11 @@ class Talker(SlotGenerator):
                 inputs=lambda codes, rows: model.thinker_to_talker_proj(embed(codes) + rows),
                 head=model.codec_head,
                 row_width=model.config.embedding_size,
+                # The prefill's input is its rows alone (`prepare`: the codec prompt's ids are
+                # not embedded there).
+                prefill=model.thinker_to_talker_proj,
             ),
+            extend=True,
         )
         self.model = model
         self.eos = frozenset((model.codec_pad_token, model.codec_eos_token))
@@ -138,7 +143,10 @@ class Talker(SlotGenerator):
 
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> TalkerState:
-        """The prefill over the thinker's first chunk, which picks the first code."""
+        """The prefill over the thinker's first chunk, which picks the first code: with the
+        graphed decode, one recorded forward when the prompt fits a bucket (graphed_extend.py;
+        transformers' eager forward of a 64-token prompt holds the compute thread ~35 ms at real
+        size), else transformers' forward."""
         first = _first_chunk(inputs, self.model.config.embedding_size)
         prompt, specials = first["prompt"], first["specials"]
         reply = list(first["reply"].to(self.device, self.dtype).split(1))
@@ -163,24 +171,35 @@ class Talker(SlotGenerator):
                 reply=reply[1:],
                 specials=specials.to(self.device, self.dtype),
             )
-            embeds = torch.cat([prompt.to(self.device, self.dtype), state.specials[:1], reply[0]]).unsqueeze(
-                0
-            )
-            cache = DynamicCache(config=m.config)
-            output = m(
-                input_ids=codec_prompt,
-                inputs_embeds=embeds,
-                **{cache_keyword(self.model): cache},
-                use_cache=True,
-            )
-            self.fill_slot(state, cache)
+            embeds = torch.cat([prompt.to(self.device, self.dtype), state.specials[:1], reply[0]])
             self.check_graphable(state.sampling)
-            self.pick([state], output.logits)
+            self.pick([state], self._prefill(state, codec_prompt, embeds))
             self.join(state, None)
         except BaseException:
             self.slots.release(slot)
             raise
         return state
+
+    def _prefill(self, state: TalkerState, codec_prompt: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The prompt's forward into the state's slot: `embeds` [length, embedding_size] are its
+        rows (the codec prompt's ids are not embedded: `generate`'s first talker call passes
+        both and its forward reads the rows alone). Returns the logits to pick the first code
+        from."""
+        length = embeds.shape[0]
+        extend = self.extend
+        if extend is not None and extend.bucket(length) is not None:
+            positions = torch.arange(length, device=self.device).expand(extend.decode.position_rows, -1)
+            _, _, logits = extend.run(state.slot, codec_prompt[0], positions, rows=embeds)
+            return logits.view(1, 1, -1)
+        cache = DynamicCache(config=self.model.config)
+        output = self.model(
+            input_ids=codec_prompt,
+            inputs_embeds=embeds.unsqueeze(0),
+            **{cache_keyword(self.model): cache},
+            use_cache=True,
+        )
+        self.fill_slot(state, cache)
+        return cast(torch.Tensor, output.logits)
 
     def feed(self, state: StepState, chunk: StageState, end: bool) -> None:
         assert isinstance(state, TalkerState)

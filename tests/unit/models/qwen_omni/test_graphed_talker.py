@@ -2,11 +2,14 @@
 embedding plus the thinker row the host sets, the repetition penalty from a mask of the codes
 each row has seen), run unrecorded on the CPU (tiny fixture, float32): fed the thinker's
 chunks as the stage streams them, it picks the eager talker's codes, greedy and sampled, alone
-and three requests batched. The recorded form runs on a GPU: tests/gpu/test_graphed_talker_gpu.py."""
+and three requests batched. Its prefill runs as a graphed extend (graphed_extend.py, its input
+the prompt's thinker rows projected) where the prompt fits a bucket, with the eager prefill's
+first logits and KV within float rounding, and as transformers' forward where it does not. The
+recorded form runs on a GPU: tests/gpu/test_graphed_talker_gpu.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from omni_common.models.base import StageState
+from omni_common.models.generation import GenerationState
+from omni_common.models.graphed_extend import EXTEND_BUCKETS
 from omni_common.models.qwen_omni.talker import Talker
 from omni_common.models.qwen_omni.thinker import Thinker
 from tests.unit.models.qwen_omni.test_runners import PROMPT, request, run_role
@@ -82,3 +87,45 @@ def test_the_default_sampling_is_expected_from_load(omni_model: Path) -> None:
     sampling = talker._sampling(request(seed=5), torch.tensor([[1, 2, 3]]), 40)
     assert sampling.graph_key is not None
     assert list(talker.warm_samplings) == [sampling.graph_key]
+
+
+TOL = 1e-5  # float32, another attention call (a masked SDPA over the slot's row)
+
+
+def prefilled(talker: Talker, thinking: list[StageState]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The first code's logits and the slot's keys after the prefill of `thinking`'s first chunk."""
+    logits: list[torch.Tensor] = []
+    pick = talker.pick
+
+    def recording(states: Sequence[GenerationState], found: torch.Tensor) -> None:
+        logits.append(found.reshape(-1, found.shape[-1])[-1].clone())
+        pick(states, found)
+
+    talker.pick = recording  # type: ignore[method-assign,assignment]
+    try:
+        state = talker.prepare(request(seed=1, talker_do_sample=0), thinking[0])
+    finally:
+        del talker.pick  # the class's again
+    keys, _ = talker.slots.read(state.slot)
+    talker.release(state)
+    return logits[0], keys
+
+
+@pytest.mark.parametrize("words", [4, 300])
+def test_the_graphed_talkers_prefill_is_one_extend_where_the_prompt_fits_a_bucket(
+    thinker: Thinker, omni_model: Path, words: int
+) -> None:
+    prompt = " ".join(["boats"] * words)
+    thinking = run_role(thinker, [request(seed=1, prompt=prompt)], [[]])[0]
+    rows = thinking[0].tensors["prompt"].shape[0] + 2  # the prompt's rows, text-bos, first reply
+    eager = Talker.load(omni_model, CPU, torch.float32, max_slots=2, decode="eager")
+    graphed = Talker.load(omni_model, CPU, torch.float32, max_slots=2, decode="graphs")
+    assert graphed.extend is not None and eager.extend is None
+    fits = rows <= EXTEND_BUCKETS[-1]
+    assert fits == (words == 4)
+    runs = graphed.extend.runs
+    logits, keys = prefilled(graphed, thinking)
+    assert graphed.extend.runs == runs + int(fits)
+    expected_logits, expected_keys = prefilled(eager, thinking)
+    assert float((logits - expected_logits).abs().max()) < TOL
+    assert max(float((a - b).abs().max()) for a, b in zip(keys, expected_keys, strict=True)) < TOL
