@@ -75,12 +75,20 @@ def first_token_ms(thinker: Thinker, req: GenerationRequest, device: torch.devic
     return elapsed
 
 
+def warmed(thinker: Thinker) -> Thinker:
+    """`thinker` after the idle work a stage does before its first request: on CUDA its decode
+    buckets and its extends recorded (until then a prefill runs eagerly)."""
+    while thinker.idle_work():
+        pass
+    return thinker
+
+
 def receiver(model_dir: Path, device_name: str, dtype_name: str, pipe: Any) -> None:
     """The second replica's Thinker: for each (request, moved handles) it gets, clears its
     prefix cache, imports the handles, prepares the turn with them (install + the rest of the
     prefill + the first pick) and answers whether it hit; None ends it."""
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
-    thinker = Thinker.load(model_dir, device, dtype, max_slots=2)
+    thinker = warmed(Thinker.load(model_dir, device, dtype, max_slots=2))
     transport = TensorTransport()
     pipe.send((transport.host_id, ipc_namespace(), gpu_uuid(device)))
     while (job := pipe.recv()) is not None:
@@ -129,14 +137,14 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model or build_tiny_fixture(Path(tempfile.mkdtemp()) / "qwen-omni-tiny")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    thinker = Thinker.load(model_dir, device, dtype, max_slots=2)
+    thinker = warmed(Thinker.load(model_dir, device, dtype, max_slots=2))
     history = history_turns(args.history, thinker.tokenizer)
     turn1 = request((*history, ChatTurn("user", (("text", "Tell me a short story."),))))
     turn2 = request(
         (*turn1.messages, ChatTurn("assistant", (("text", "No."),)), ChatTurn("user", (("text", "Why?"),)))
     )
     first_token_ms(thinker, turn1, device)  # warm-up, and the prefix turn 2 reuses
-    first_token_ms(thinker, turn2, device)  # warm-up: on CUDA its new tokens' extend is recorded
+    first_token_ms(thinker, turn2, device)  # warm-up
     pipe, child_pipe = multiprocessing.get_context("spawn").Pipe()
     child = multiprocessing.get_context("spawn").Process(
         target=receiver, args=(model_dir, args.device, args.dtype, child_pipe)

@@ -101,6 +101,14 @@ class GraphedExtend:
             return None
         return next((size for size in EXTEND_BUCKETS if size >= count), None)
 
+    def ready(self, count: int) -> bool:
+        """Whether a prefill of `count` tokens runs as an extend now: a bucket takes it and, on
+        CUDA, that bucket's forward is recorded. Idle work records them ahead; until it has, the
+        eager prefill serves, so a request never waits for a compile (up to a minute at real
+        size) that an eager forward of tens of milliseconds spares it."""
+        size = self.bucket(count)
+        return size is not None and (self.device.type != "cuda" or size in self.graphs)
+
     def unrecorded(self) -> list[int]:
         """The sizes not recorded yet (none off CUDA, where nothing is recorded)."""
         if self.device.type != "cuda" or self.failed:

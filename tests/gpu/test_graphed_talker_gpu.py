@@ -1,7 +1,8 @@
 """The talker's graphed decode recorded on a GPU (tiny Qwen2.5-Omni, float32): fed the thinker's
 chunks, it picks the eager talker's codes, greedy and sampled, three requests batched, and
-records a step once per bucket and sampling setting, never per request; its prefills run as
-recorded extends (one a request), recorded once per bucket."""
+records a step once per bucket and sampling setting, never per request; its prefills run
+eagerly until idle work has recorded the extends, then as recorded extends (one a request),
+recorded once per bucket."""
 
 from __future__ import annotations
 
@@ -35,7 +36,12 @@ def test_the_recorded_talker_picks_the_eager_codes(omni_model: Path, sample: int
     assert graphed.graphed is not None
     expected = codes(eager, thinking, sample, seeds)
     extend = graphed.extend
-    assert extend is not None
+    assert extend is not None and extend.unrecorded()
+    first = codes(graphed, thinking, sample, seeds[:1])  # before idle work: the eager prefill
+    assert extend.runs == 0 and first == expected[:1]
+    while graphed.idle_work():  # the decode's buckets and the extend's
+        pass
+    assert not extend.unrecorded()
     assert codes(graphed, thinking, sample, seeds) == expected
     recorded = graphed.graphed.captures
     assert 0 < recorded == len(graphed.graphed.graphs)

@@ -144,7 +144,7 @@ class Talker(SlotGenerator):
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> TalkerState:
         """The prefill over the thinker's first chunk, which picks the first code: with the
-        graphed decode, one recorded forward when the prompt fits a bucket (graphed_extend.py;
+        graphed decode, one recorded forward when the prompt fits a recorded bucket (graphed_extend.py;
         transformers' eager forward of a 64-token prompt holds the compute thread ~35 ms at real
         size), else transformers' forward."""
         first = _first_chunk(inputs, self.model.config.embedding_size)
@@ -187,7 +187,7 @@ class Talker(SlotGenerator):
         from."""
         length = embeds.shape[0]
         extend = self.extend
-        if extend is not None and extend.bucket(length) is not None:
+        if extend is not None and extend.ready(length):
             positions = torch.arange(length, device=self.device).expand(extend.decode.position_rows, -1)
             _, _, logits = extend.run(state.slot, codec_prompt[0], positions, rows=embeds)
             return logits.view(1, 1, -1)

@@ -318,9 +318,10 @@ class Thinker(SlotGenerator):
 
     def _extends(self, prompt: ThinkerPrompt, start: int, end: int) -> bool:
         """Whether tokens [start, end) run as a graphed extend: the prompt's last chunk, short
-        enough for a bucket, text only (a clip or picture takes its features' eager path)."""
+        enough for a bucket already recorded (GraphedExtend.ready), text only (a clip or
+        picture takes its features' eager path)."""
         extend = self.extend
-        if extend is None or end < prompt.length or extend.bucket(end - start) is None:
+        if extend is None or end < prompt.length or not extend.ready(end - start):
             return False
         return not any(opens < end and start <= closes for opens, closes in prompt.spans)
 
