@@ -144,9 +144,9 @@ class Talker(SlotGenerator):
     @torch.no_grad()
     def prepare(self, request: GenerationRequest, inputs: StageState) -> TalkerState:
         """The prefill over the thinker's first chunk, which picks the first code: with the
-        graphed decode, one recorded forward when the prompt fits a recorded bucket (graphed_extend.py;
-        transformers' eager forward of a 64-token prompt holds the compute thread ~35 ms at real
-        size), else transformers' forward."""
+        graphed decode, one recorded forward when the prompt fits a recorded bucket
+        (graphed_extend.py; transformers' eager forward of a 64-token prompt holds the compute
+        thread ~35 ms at real size), else transformers' forward."""
         first = _first_chunk(inputs, self.model.config.embedding_size)
         prompt, specials = first["prompt"], first["specials"]
         reply = list(first["reply"].to(self.device, self.dtype).split(1))
