@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -274,7 +275,24 @@ def is_stage(proc: LocalProcess) -> bool:
     return "serve" in proc.argv and proc.argv[-1] in STAGES
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port() -> int:
+    """A loopback port that nothing listens on now and that this process has not handed out
+    before. The probe socket closes at once, so the system may offer the same port to the next
+    probe before whoever took the first binds it. A cluster's coordinator and one of its stages
+    were once both given one port, and the stage failed to start."""
+    with _PORTS_LOCK:
+        while (port := _probe_port()) in _PORTS_GIVEN:
+            pass
+        _PORTS_GIVEN.add(port)
+        return port
+
+
+def _probe_port() -> int:
+    """A port the system offers for a loopback socket bound to port 0."""
     import socket
 
     with socket.socket() as sock:
