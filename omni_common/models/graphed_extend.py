@@ -73,10 +73,9 @@ class GraphedExtend:
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # tokens cached before
         self.last = torch.zeros(1, dtype=torch.long, device=self.device)  # the last real token
         # The tokens' rows, for a decoder whose prefill input is made from them (DecodeIO.prefill).
-        self.prefill_inputs = decode.io.prefill
         self.rows = (
             torch.zeros(largest, decode.io.row_width, dtype=self.slots.dtype, device=self.device)
-            if self.prefill_inputs is not None
+            if decode.io.prefill is not None
             else None
         )
         config: Any = decode.decoder.config
@@ -190,8 +189,9 @@ class GraphedExtend:
         decode = self.decode
         capacity = self.slots.capacity
         steps = self.start + torch.arange(size, device=self.device)  # each token's position
-        if self.prefill_inputs is not None and self.rows is not None:
-            embeds = self.prefill_inputs(self.rows[:size])
+        prefill = decode.io.prefill
+        if prefill is not None and self.rows is not None:
+            embeds = prefill(self.rows[:size])
         else:
             embeds = decode.decoder.embed_tokens(self.ids[:size])  # type: ignore[operator]
         output = decode.decoder(
